@@ -1,0 +1,90 @@
+"""What every agent gets and gives back: the context of a round in, a candidate (or a reason it failed) out.
+
+Local and Claude agents implement the same `Agent` protocol so the loop can run any mix of them in parallel
+and judge their candidates the same way.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from core.recipe import Recipe
+
+CANDIDATE_KINDS = ("recipe", "plugin", "recipe+plugin")
+RECIPE_FILE = "recipe.toml"
+PLUGIN_GLOB = "plugins/*.py"
+
+PLUGIN_INTERFACES_DOC = """\
+Plugin interfaces (code an agent may add to the run workspace)
+
+A plugin is one file `plugins/<name>.py` in the run workspace. A recipe selects it by name with the
+`plugin:` prefix, e.g. `tree.policy = "plugin:<name>"`. Plugin files import only the standard library,
+math, numpy and torch; they run in the judge's worker subprocess, never in the loop process, and must be
+deterministic (no clocks, no unseeded randomness).
+
+Tree plugins (selected by tree.policy = "plugin:<name>") define:
+
+    def build_tree(draft_logprobs, depth: int, budget: int) -> list[int]:
+        '''Shape the speculation tree for one step.
+
+        draft_logprobs: float tensor [depth, topk], the drafter's log-probabilities of its top-k tokens at
+        each depth along its greedy path. Return the tree as a parents array: parents[i] is the index of
+        node i's parent (-1 for the root, the last accepted token), parents[i] < i, at most `budget`
+        nodes and at most `depth` levels below the root. Node i's token is chosen by its rank among its
+        siblings (first child = rank 0).'''
+
+The verifier checks every tree exactly (losslessness never depends on the plugin); a plugin only changes
+how much speculation each step buys and what it costs.
+"""
+
+
+@dataclass
+class AgentContext:
+    """Everything an agent may see for one proposal; the held-out requests are deliberately absent."""
+
+    deployment: dict[str, Any]
+    recipe: Recipe
+    cost_report: dict[str, Any]
+    memory: list[dict[str, Any]]
+    direction: str
+    workspace: Path
+    tuning_summary: dict[str, Any]
+    seed: int = 0
+
+
+@dataclass
+class Candidate:
+    """A proposed change: the full resulting recipe, the plugin files it needs, and the diff shown to people."""
+
+    agent: str
+    title: str
+    rationale: str
+    kind: str
+    diff: str
+    recipe: Recipe
+    files: dict[str, str] = field(default_factory=dict)
+    predicted_speedup: float | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in CANDIDATE_KINDS:
+            raise ValueError(f"candidate kind {self.kind!r} is not one of {', '.join(CANDIDATE_KINDS)}")
+
+
+@dataclass
+class AgentFailure:
+    """An agent produced nothing usable; `reason` says why in one line (shown to the user, stored)."""
+
+    agent: str
+    reason: str
+
+
+class Agent(Protocol):
+    """Proposes one candidate per call, streaming its text (reasoning, diff) through `on_chunk` in order."""
+
+    name: str
+
+    def propose(self, ctx: AgentContext, on_chunk: Callable[[str], None]) -> Candidate | AgentFailure:
+        """Return a Candidate, or an AgentFailure with the reason; never raise for an agent-side problem."""
+        ...

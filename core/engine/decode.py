@@ -1,0 +1,233 @@
+"""Autoregressive and speculative generation: draft a tree, verify it in one target forward, commit.
+
+Autoregressive decoding is the same loop with a root-only tree, so both paths share every line that
+touches the cache. Verification rules:
+  greedy     accept the longest path whose tokens equal the target's argmax, plus the bonus token;
+  seeded     the same with the target's choice = argmax(logits/T + gumbel(seed, request, position));
+  rejection  standard speculative sampling on a chain (accept with min(1, p/q), else resample p - q);
+  lossy_top2 a deliberately lossy test mechanism (accepts a draft within the target's top 2) that
+             token forcing must reject.
+Tie policy: the target's choice is torch.argmax over its logits in the run's dtype (the first index wins
+an exact tie); near-ties that flip between kernels of different shapes are counted apart by forcing.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from core.engine.drafters import Drafter, DraftMode, TreeSpec
+from core.engine.model import Transformer
+from core.engine.sampling import filtered, seeded_scores
+from core.engine.tree import DraftTree, batch_tensors
+
+
+class GenerationError(ValueError):
+    """A request that cannot be served as asked; the message says what to change."""
+
+
+@dataclass
+class StepStats:
+    draft_ms: float
+    verify_ms: float
+    commit_ms: float
+    host_ms: float
+    nodes: int
+    accepted: list[int]
+
+
+@dataclass
+class GenerateResult:
+    tokens: list[list[int]]
+    steps: list[StepStats]
+    seconds: float
+    committed: list[list[int]] = field(default_factory=list)
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+    def summary(self) -> dict:
+        accepted = [a for s in self.steps for a in s.accepted]
+        phases = {k: sum(getattr(s, k) for s in self.steps) for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms")}
+        return {
+            "new_tokens": self.new_tokens,
+            "seconds": self.seconds,
+            "tokens_per_s": self.new_tokens / self.seconds if self.seconds > 0 else 0.0,
+            "steps": len(self.steps),
+            "mean_accepted_length": sum(accepted) / len(accepted) if accepted else 0.0,
+            "nodes_verified": sum(s.nodes for s in self.steps),
+            **phases,
+        }
+
+
+@dataclass
+class Verification:
+    sampling: str = "greedy"
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _accept(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
+    """Greedy walk: follow children whose token equals the target's choice; return path and bonus."""
+    children = {(tree.parents[i], tree.tokens[i]): i for i in range(1, len(tree))}
+    path, node = [], 0
+    while (node, choice[node]) in children:
+        node = children[(node, choice[node])]
+        path.append(node)
+    return path, choice[node]
+
+
+def _accept_top2(tree: DraftTree, top2: list[list[int]]) -> tuple[list[int], int]:
+    children: dict[int, list[int]] = {}
+    for i in range(1, len(tree)):
+        children.setdefault(tree.parents[i], []).append(i)
+    path, node = [], 0
+    while True:
+        nxt = next((c for c in children.get(node, []) if tree.tokens[c] in top2[node]), None)
+        if nxt is None:
+            return path, top2[node][0]
+        node = nxt
+        path.append(node)
+
+
+def _accept_rejection(tree: DraftTree, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
+    """Speculative sampling on a chain: p [T, V] target probabilities at each node."""
+    path, node = [], 0
+    for child in range(1, len(tree)):
+        q = tree.q[child]
+        x = tree.tokens[child]
+        if torch.rand((), generator=gen).item() * q[x].item() < p[node, x].item():
+            path.append(child)
+            node = child
+            continue
+        residual = (p[node] - q).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[node]
+        return path, int(torch.multinomial(dist, 1, generator=gen).item())
+    return path, int(torch.multinomial(p[node], 1, generator=gen).item())
+
+
+def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[int]],
+             max_new_tokens: int | list[int], spec: TreeSpec | None = None,
+             verification: Verification | None = None, request_ids: list[int] | None = None,
+             eos_token_ids: list[int] | None = None) -> GenerateResult:
+    """Generate for a batch of prompts; `drafter=None` (or spec=None) is autoregressive decoding."""
+    ver = verification or Verification()
+    B = len(prompts)
+    if B == 0:
+        return GenerateResult([], [], 0.0)
+    limits = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    ctx = target.cfg.max_position_embeddings
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        if not p:
+            raise GenerationError(f"request {i}: empty prompt; give at least one token")
+        if len(p) + n > ctx:
+            raise GenerationError(f"request {i}: prompt of {len(p)} tokens + max_new_tokens {n} exceeds the "
+                                  f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
+    speculative = drafter is not None and spec is not None
+    extra = spec.max_nodes + 2 if speculative else 2
+    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + extra
+    dev = target.device
+    eos = set(target.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+    req = torch.tensor(request_ids if request_ids is not None else list(range(B)))
+    gen = torch.Generator().manual_seed(ver.seed)
+    mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, req, gen)
+
+    with torch.inference_mode():
+        start = time.perf_counter()
+        cache = target.new_cache(B, max_len)
+        pre = [p[:-1] for p in prompts]
+        Pm = max(len(p) for p in pre)
+        if Pm > 0:
+            toks = torch.tensor([p + [0] * (Pm - len(p)) for p in pre], device=dev)
+            causal = torch.tril(torch.ones(Pm, Pm, dtype=torch.bool, device=dev)).expand(B, Pm, Pm)
+            target.step(toks, cache, cache.lengths, torch.arange(Pm, device=dev).expand(B, Pm), causal,
+                        logits_at=torch.zeros(B, 0, dtype=torch.long, device=dev))
+            cache.lengths.copy_(torch.tensor([len(p) for p in pre], device=dev))
+        if speculative:
+            drafter.reset(prompts, max_len + spec.max_nodes + 2)
+        lengths = [len(p) for p in pre]
+        roots = [p[-1] for p in prompts]
+        out: list[list[int]] = [[] for _ in range(B)]
+        committed = [list(p[:-1]) for p in prompts]
+        active = [n > 0 for n in limits]
+        steps: list[StepStats] = []
+        t_prev = time.perf_counter()
+        while any(active):
+            t0 = time.perf_counter()
+            if speculative:
+                trees = drafter.draft(spec, mode, active)
+            else:
+                trees = [DraftTree.root(r) for r in roots]
+            _sync(dev)
+            t1 = time.perf_counter()
+            tokens, depths, anc = batch_tensors(trees, dev)
+            T = tokens.shape[1]
+            logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc)
+            choice = _choices(logits, trees, ver, req, lengths)
+            _sync(dev)
+            t2 = time.perf_counter()
+            rows, paths, emitted, accepted = [], [], [], []
+            for b in range(B):
+                if not active[b]:
+                    continue
+                if ver.sampling == "rejection":
+                    path, bonus = _accept_rejection(trees[b], choice[b], gen)
+                elif ver.sampling == "lossy_top2":
+                    path, bonus = _accept_top2(trees[b], choice[b])
+                else:
+                    path, bonus = _accept(trees[b], choice[b])
+                rows.append(b)
+                paths.append(path)
+                emitted.append([trees[b].tokens[i] for i in path] + [bonus])
+                accepted.append(len(path) + 1)
+            cache.compact(rows, [[lengths[b] + i for i in path] for b, path in zip(rows, paths)],
+                          [lengths[b] + 1 for b in rows])
+            for b, path, toks in zip(rows, paths, emitted):
+                committed[b].append(roots[b])
+                committed[b].extend(toks[:-1])
+                lengths[b] += len(path) + 1
+                roots[b] = toks[-1]
+            cache.lengths.copy_(torch.tensor(lengths, device=dev))
+            if speculative:
+                drafter.commit(rows, paths, emitted)
+            _sync(dev)
+            t3 = time.perf_counter()
+            for b, toks in zip(rows, emitted):
+                for t in toks:
+                    out[b].append(t)
+                    if t in eos or len(out[b]) >= limits[b]:
+                        active[b] = False
+                        break
+            t4 = time.perf_counter()
+            steps.append(StepStats((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
+                                   (t4 - t3 + t0 - t_prev) * 1e3, sum(len(trees[b]) for b in rows), accepted))
+            t_prev = t4
+        seconds = time.perf_counter() - start
+    return GenerateResult(out, steps, seconds, committed)
+
+
+def _choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+             lengths: list[int]) -> list:
+    """The target's choice at every node: argmax ids, seeded ids, top-2 lists, or probabilities."""
+    if ver.sampling == "greedy":
+        return logits.argmax(-1).tolist()
+    if ver.sampling == "lossy_top2":
+        return logits.topk(2, dim=-1).indices.tolist()
+    if ver.sampling == "rejection":
+        return [filtered(logits[b], ver.temperature, ver.top_p).softmax(-1) for b in range(len(trees))]
+    B, T, V = logits.shape
+    depth = torch.tensor([t.depths + [0] * (T - len(t)) for t in trees])
+    positions = torch.tensor(lengths)[:, None] + depth + 1
+    scores = seeded_scores(logits.reshape(B * T, V), ver.temperature, ver.top_p, ver.seed,
+                           req[:, None].expand(B, T).reshape(-1), positions.reshape(-1))
+    return scores.argmax(-1).view(B, T).tolist()

@@ -1,0 +1,128 @@
+"""The engine a deployment runs: a target, an optional drafter checkpoint, and recipes to run them with."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from core.engine.config import ModelLoadError
+from core.engine.decode import GenerateResult, Verification, generate
+from core.engine.drafters import Drafter, ModelDrafter, NgramDrafter, TreeSpec
+from core.engine.model import Transformer
+from core.engine.tree import chain_paths
+from core.recipe import Recipe, builtin
+
+
+def _vocab(path: Path) -> dict | None:
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        return None
+    try:
+        return json.loads(tok.read_text()).get("model", {}).get("vocab")
+    except json.JSONDecodeError:
+        raise ModelLoadError(f"{tok} is not valid JSON; re-save the tokenizer") from None
+
+
+def tree_spec(recipe: Recipe) -> TreeSpec:
+    """The drafting shape a recipe asks for."""
+    t = recipe.tree
+    if t.policy == "chain":
+        return TreeSpec("static", chain_paths(t.depth))
+    if t.policy == "static":
+        return TreeSpec("static", [list(p) for p in t.paths])
+    if t.policy == "dynamic":
+        return TreeSpec("dynamic", depth=t.depth, topk=t.topk, budget=t.budget)
+    from core.engine.plugins import tree_policy
+
+    return TreeSpec("static", tree_policy(t.policy)(t))
+
+
+class Engine:
+    """Holds loaded models and hands out drafters per recipe; `generate` runs one batch."""
+
+    def __init__(self, target: Transformer, drafter_model: Transformer | None = None,
+                 target_dir: str | None = None, drafter_dir: str | None = None) -> None:
+        self.target = target
+        self.drafter_model = drafter_model
+        self.target_dir = target_dir
+        self.drafter_dir = drafter_dir
+        self._drafters: dict[tuple, Drafter] = {}
+        self._packed: dict[str, Transformer] = {}
+
+    @classmethod
+    def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32",
+             device: str = "cpu") -> "Engine":
+        """Load the target (and drafter); a drafter whose vocabulary differs from the target's is refused."""
+        target_dir = Path(target_dir)
+        target = Transformer.load(str(target_dir), dtype, device)
+        drafter = None
+        if drafter_dir is not None:
+            drafter_dir = Path(drafter_dir)
+            drafter = Transformer.load(str(drafter_dir), dtype, device)
+            if drafter.cfg.vocab_size != target.cfg.vocab_size:
+                raise ModelLoadError(f"drafter vocabulary ({drafter.cfg.vocab_size}) does not match the target's "
+                                     f"({target.cfg.vocab_size}); use a drafter trained with the target's tokenizer")
+            tv, dv = _vocab(target_dir), _vocab(drafter_dir)
+            if tv is not None and dv is not None and tv != dv:
+                raise ModelLoadError(f"tokenizers of {target_dir} and {drafter_dir} differ; use a drafter trained "
+                                     "with the target's tokenizer")
+        return cls(target, drafter, str(target_dir), str(drafter_dir) if drafter_dir else None)
+
+    def models_for(self, recipe: Recipe) -> tuple[Transformer, Transformer | None]:
+        """Target and drafter model with the recipe's weight format applied (converted once, cached)."""
+        if recipe.weights.format == "native":
+            return self.target, self.drafter_model
+        from kernels.packed12 import pack_transformer
+
+        key = recipe.weights.format
+        if key not in self._packed:
+            self._packed[key] = pack_transformer(self.target)
+        target = self._packed[key]
+        drafter = self.drafter_model
+        if recipe.weights.drafter and drafter is not None:
+            dkey = key + ":drafter"
+            if dkey not in self._packed:
+                self._packed[dkey] = pack_transformer(drafter)
+            drafter = self._packed[dkey]
+        return target, drafter
+
+    def drafter_for(self, recipe: Recipe) -> Drafter:
+        target, drafter_model = self.models_for(recipe)
+        d = recipe.draft
+        key = (d.method, d.exit_layer, d.ngram_max, recipe.weights.format, recipe.weights.drafter)
+        if key in self._drafters:
+            return self._drafters[key]
+        if d.method == "ngram":
+            drafter: Drafter = NgramDrafter(d.ngram_max)
+        elif d.method == "early_exit":
+            layers = d.exit_layer or target.cfg.num_layers // 2
+            if layers >= target.cfg.num_layers:
+                raise ModelLoadError(f"draft.exit_layer = {layers} must be below the target's "
+                                     f"{target.cfg.num_layers} layers")
+            drafter = ModelDrafter(target.truncated(layers))
+        else:
+            if drafter_model is None:
+                raise ModelLoadError("draft.method = 'model' needs a drafter checkpoint; pass --drafter DIR or "
+                                     "use draft.method 'ngram' or 'early_exit'")
+            drafter = ModelDrafter(drafter_model)
+        self._drafters[key] = drafter
+        return drafter
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], recipe: Recipe | None = None,
+                 request_ids: list[int] | None = None, speculative: bool = True) -> GenerateResult:
+        """Run `recipe` (default stock) on a batch; speculative=False is plain autoregressive decoding."""
+        recipe = recipe or builtin("stock")
+        target, _ = self.models_for(recipe)
+        v = recipe.verify
+        ver = Verification(v.sampling if speculative or v.sampling == "seeded" else "greedy",
+                           v.temperature, v.top_p, v.seed)
+        if not speculative:
+            return generate(target, None, prompts, max_new_tokens, None, ver, request_ids)
+        return generate(target, self.drafter_for(recipe), prompts, max_new_tokens, tree_spec(recipe), ver,
+                        request_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return self.target.device

@@ -1,0 +1,219 @@
+"""A compact Llama-family decoder (Llama 2/3, Mistral, Qwen2/2.5, Qwen3) with a tree-aware KV cache.
+
+The hot path is written for small batches on any device: one fused QKV and one fused gate/up matmul per
+layer, RoPE applied to q and k together, cache writes by scatter, and everything that depends only on the
+step (positions, mask, write indices) built once per forward, not per layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from core.engine.config import ModelConfig, ModelLoadError
+from core.engine.loader import load_state_dict
+
+Linear = Callable[[torch.Tensor], torch.Tensor]
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+    """A linear projection as a plain callable (no nn.Module dispatch on the hot path)."""
+    if bias is None:
+        return lambda x: F.linear(x, weight)
+    return lambda x: F.linear(x, weight, bias)
+
+
+@dataclass
+class LayerWeights:
+    attn_norm: torch.Tensor
+    mlp_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    gate_up: Linear
+    down: Linear
+    q_norm: torch.Tensor | None
+    k_norm: torch.Tensor | None
+    raw: dict[str, torch.Tensor]
+
+
+class KVCache:
+    """Pre-allocated keys and values [layers, batch, kv_heads, max_len, head_dim] with per-row lengths."""
+
+    def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        shape = (layers, batch, kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.k.shape[1]
+
+    def reset(self) -> None:
+        self.lengths.zero_()
+
+    def compact(self, rows: list[int], src: list[list[int]], dst_start: list[int]) -> None:
+        """Move the slots `src[i]` of row `rows[i]` to consecutive slots from `dst_start[i]` (accepted path)."""
+        moves = [(r, s, d) for r, ss, d0 in zip(rows, src, dst_start) for d, s in enumerate(ss, d0) if s != d]
+        if not moves:
+            return
+        dev = self.k.device
+        r = torch.tensor([m[0] for m in moves], device=dev)
+        s = torch.tensor([m[1] for m in moves], device=dev)
+        d = torch.tensor([m[2] for m in moves], device=dev)
+        for t in (self.k, self.v):
+            t[:, r, :, d] = t[:, r, :, s]
+
+
+class StepInputs:
+    """Everything a forward needs that depends on the step, computed once and shared by all layers.
+
+    Row b sees every slot below `base[b]` plus the tree slots base[b] + j with ancestors[b, i, j]; the
+    step's T queries are written at slots base[b] + offset + arange(T) and sit at positions base[b] + depths.
+    """
+
+    def __init__(self, model: "Transformer", tokens: torch.Tensor, base: torch.Tensor, depths: torch.Tensor,
+                 ancestors: torch.Tensor | None, offset: int = 0) -> None:
+        B, T = tokens.shape
+        self.tokens = tokens
+        positions = base[:, None] + depths
+        self.cos = model.cos[positions].unsqueeze(2)
+        self.sin = model.sin[positions].unsqueeze(2)
+        slots = base[:, None] + offset + torch.arange(T, device=tokens.device)
+        self.write_index = slots[:, None, :, None].expand(B, model.cfg.num_kv_heads, T, model.cfg.head_dim)
+        A = offset + T if ancestors is None else ancestors.shape[2]
+        self.span = int(base.max().item()) + A
+        self.mask = None
+        if ancestors is not None:
+            rel = torch.arange(self.span, device=tokens.device)[None, :] - base[:, None]
+            in_tree = (rel >= 0) & (rel < A)
+            tree = ancestors.gather(2, rel.clamp(0, A - 1)[:, None, :].expand(B, T, self.span))
+            allowed = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
+            mask = torch.zeros(B, 1, T, self.span, dtype=model.dtype, device=tokens.device)
+            self.mask = mask.masked_fill_(~allowed[:, None], torch.finfo(model.dtype).min)
+
+
+class Transformer:
+    """Weights plus a forward over (tokens, per-row lengths, tree ancestry) that writes the KV cache."""
+
+    def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
+                 device: torch.device | str, num_layers: int | None = None) -> None:
+        self.cfg = cfg
+        self.dtype = dtype
+        self.device = torch.device(device)
+        self.num_layers = num_layers or cfg.num_layers
+
+        def take(name: str, required: bool = True) -> torch.Tensor | None:
+            t = state.get(name)
+            if t is None:
+                if required:
+                    raise ModelLoadError(f"checkpoint is missing tensor {name}; it is incomplete or not a "
+                                         f"{cfg.family} checkpoint")
+                return None
+            return t.to(device=self.device, dtype=dtype)
+
+        self.embed = take("model.embed_tokens.weight")
+        self.norm = take("model.norm.weight")
+        head = take("lm_head.weight", required=False)
+        self.lm_head_weight = head if head is not None else self.embed
+        self.layers: list[LayerWeights] = []
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_b = None
+            if state.get(p + "self_attn.q_proj.bias") is not None:
+                qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gate_up_w = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            raw = {"qkv": qkv_w, "o": take(p + "self_attn.o_proj.weight"), "gate_up": gate_up_w,
+                   "down": take(p + "mlp.down_proj.weight")}
+            self.layers.append(LayerWeights(
+                attn_norm=take(p + "input_layernorm.weight"),
+                mlp_norm=take(p + "post_attention_layernorm.weight"),
+                qkv=dense(qkv_w, qkv_b), o=dense(raw["o"]), gate_up=dense(gate_up_w), down=dense(raw["down"]),
+                q_norm=take(p + "self_attn.q_norm.weight", required=cfg.qk_norm),
+                k_norm=take(p + "self_attn.k_norm.weight", required=cfg.qk_norm),
+                raw=raw,
+            ))
+        self.lm_head = dense(self.lm_head_weight)
+        positions = torch.arange(cfg.max_position_embeddings + 256, dtype=torch.float32)
+        freqs = torch.outer(positions, cfg.inv_freq())
+        emb = torch.cat([freqs, freqs], dim=-1)
+        self.cos = emb.cos().to(device=self.device, dtype=dtype)
+        self.sin = emb.sin().to(device=self.device, dtype=dtype)
+
+    @classmethod
+    def load(cls, path: str, dtype: str | torch.dtype = "float32", device: str = "cpu") -> "Transformer":
+        """Load a Hugging Face checkpoint directory."""
+        cfg = ModelConfig.from_dir(path)
+        if isinstance(dtype, str):
+            if dtype not in DTYPES:
+                raise ModelLoadError(f"dtype {dtype!r} is not supported; use one of {', '.join(DTYPES)}")
+            dtype = DTYPES[dtype]
+        return cls(cfg, load_state_dict(path), dtype, device)
+
+    def truncated(self, num_layers: int) -> "Transformer":
+        """A view of the first `num_layers` layers sharing this model's weights (early-exit drafting)."""
+        view = object.__new__(Transformer)
+        view.__dict__.update(self.__dict__)
+        view.num_layers = num_layers
+        view.layers = self.layers[:num_layers]
+        return view
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        c = self.cfg
+        return KVCache(self.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+
+    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
+        return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(x.dtype)
+
+    def forward(self, step: StepInputs, cache: KVCache, logits_at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Run all layers on the step's tokens, write their K/V, return logits [B, T', V] or None.
+
+        `logits_at` ([B, T'] indices into the step) picks the positions whose logits are needed; by
+        default all of them.
+        """
+        c = self.cfg
+        B, T = step.tokens.shape
+        H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+        x = F.embedding(step.tokens, self.embed)
+        span = step.span
+        for i, layer in enumerate(self.layers):
+            h = self._norm(x, layer.attn_norm)
+            qkv = layer.qkv(h).view(B, T, H + 2 * Hkv, D)
+            qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]
+            if layer.q_norm is not None:
+                qk = torch.cat([self._norm(qk[:, :, :H], layer.q_norm), self._norm(qk[:, :, H:], layer.k_norm)], 2)
+            half = D // 2
+            rotated = torch.cat([-qk[..., half:], qk[..., :half]], dim=-1)
+            qk = qk * step.cos + rotated * step.sin
+            q = qk[:, :, :H].transpose(1, 2)
+            cache.k[i].scatter_(2, step.write_index, qk[:, :, H:].transpose(1, 2))
+            cache.v[i].scatter_(2, step.write_index, v.transpose(1, 2))
+            keys, values = cache.k[i][:, :, :span], cache.v[i][:, :, :span]
+            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=H != Hkv)
+            x = x + layer.o(attn.transpose(1, 2).reshape(B, T, H * D))
+            gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+        if logits_at is not None:
+            if logits_at.numel() == 0:
+                return None
+            x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
+        return self.lm_head(self._norm(x, self.norm))
+
+    def step(self, tokens: torch.Tensor, cache: KVCache, base: torch.Tensor, depths: torch.Tensor,
+             ancestors: torch.Tensor | None, offset: int = 0,
+             logits_at: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Forward `tokens` [B, T] against the cache; see StepInputs for the placement rules.
+
+        `ancestors` may be None only when every slot below base + offset + T is visible to every query
+        (batch 1, one token).
+        """
+        return self.forward(StepInputs(self, tokens, base, depths, ancestors, offset), cache, logits_at)
