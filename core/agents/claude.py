@@ -114,6 +114,19 @@ def _speedup(text: str) -> float | None:
     return float(match.group(0)) if match else None
 
 
+class _StreamFailed(Exception):
+    """A reply that must not be parsed; the message is the failure reason."""
+
+
+def _describe(exc: anthropic.APIStatusError) -> str:
+    body = exc.body
+    if isinstance(body, dict):
+        error = body.get("error", body)
+        if isinstance(error, dict) and ("type" in error or "message" in error):
+            return f"{error.get('type', 'error')}: {error.get('message', '')}".strip()
+    return str(exc.message)
+
+
 class ClaudeAgent:
     """Proposes candidates with Claude through the `anthropic` SDK (ANTHROPIC_BASE_URL is honoured)."""
 
@@ -221,15 +234,3 @@ class ClaudeAgent:
             predicted_speedup=_speedup(text),
         )
 
-
-class _StreamFailed(Exception):
-    """A reply that must not be parsed; the message is the failure reason."""
-
-
-def _describe(exc: anthropic.APIStatusError) -> str:
-    body = exc.body
-    if isinstance(body, dict):
-        error = body.get("error", body)
-        if isinstance(error, dict) and ("type" in error or "message" in error):
-            return f"{error.get('type', 'error')}: {error.get('message', '')}".strip()
-    return str(exc.message)

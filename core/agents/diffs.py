@@ -22,6 +22,7 @@ DEV_NULL = "/dev/null"
 _HUNK_HEADER = re.compile(r"^@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 _FILE_LINE = re.compile(r"^\s*\**FILE:\s*`?([^`*\s]+)`?\**\s*$")
 _FENCE = re.compile(r"^\s*(`{3,}|~{3,})")
+_PREAMBLE = ("diff ", "index ", "new file mode", "similarity", "rename ")
 
 
 class DiffError(ValueError):
@@ -76,6 +77,10 @@ def _find(lines: list[str], block: list[str]) -> list[int]:
     return [i for i in range(len(lines) - n + 1) if lines[i:i + n] == block]
 
 
+def _is_file_header(lines: list[str], i: int, stop: int) -> bool:
+    return lines[i].startswith("--- ") and i + 1 < stop and lines[i + 1].startswith("+++ ")
+
+
 def _first(block: list[str]) -> str:
     return next((line for line in block if line.strip()), block[0] if block else "")
 
@@ -93,17 +98,21 @@ class _Hunk:
 
 
 def _parse_hunks(diff: str, path: str) -> list[_Hunk]:
+    """Hunks read by their header's line counts, so a removed '-- x' line is never taken for a file header."""
     lines = diff.split("\n")
-    if lines and lines[-1] == "":
+    if lines[-1] == "":
         lines.pop()
     hunks: list[_Hunk] = []
     i = 0
     while i < len(lines):
         line = lines[i]
         if not line.startswith("@@"):
-            if line.startswith(("--- ", "+++ ", "diff ", "index ", "new file mode", "similarity")) or not line.strip():
-                i += 1
+            if _is_file_header(lines, i, len(lines)) or line.startswith(_PREAMBLE) or not line.strip():
+                i += 2 if _is_file_header(lines, i, len(lines)) else 1
                 continue
+            if hunks and line[:1] in (" ", "-", "+"):
+                raise DiffError(f"{path}: hunk {len(hunks)}: wrong line counts: line {i + 1} {line[:80]!r} "
+                                "comes after the lines its header counts")
             raise DiffError(f"{path}: unexpected line {i + 1} outside any hunk: {line[:80]!r}; "
                             "every change must be inside an '@@ -a,b +c,d @@' hunk")
         number = len(hunks) + 1
@@ -111,48 +120,32 @@ def _parse_hunks(diff: str, path: str) -> list[_Hunk]:
         if not match:
             raise DiffError(f"{path}: hunk {number}: malformed header {line[:80]!r}; "
                             "expected '@@ -start,count +start,count @@'")
-        old_start = int(match.group(1))
         old_count = int(match.group(2)) if match.group(2) is not None else 1
         new_count = int(match.group(4)) if match.group(4) is not None else 1
+        hunk = _Hunk(number, int(match.group(1)), [], [], False)
         i += 1
-        body: list[str] = []
-        while i < len(lines) and not lines[i].startswith("@@"):
-            if lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
-                break
-            body.append(lines[i])
+        last = ""
+        while i < len(lines) and not lines[i].startswith("@@") and (
+                len(hunk.old) < old_count or len(hunk.new) < new_count or lines[i].startswith("\\")):
+            raw = lines[i]
             i += 1
-        hunks.append(_hunk_from_body(number, old_start, old_count, new_count, body, path))
+            if raw.startswith("\\"):
+                hunk.new_no_eol = hunk.new_no_eol or last in ("+", " ")
+                continue
+            last, text = (raw[:1], raw[1:]) if raw else (" ", "")
+            if last not in (" ", "-", "+"):
+                raise DiffError(f"{path}: hunk {number}: line {raw[:80]!r} does not start with ' ', '-' or '+'")
+            if last in (" ", "-"):
+                hunk.old.append(text)
+            if last in (" ", "+"):
+                hunk.new.append(text)
+        if len(hunk.old) != old_count or len(hunk.new) != new_count:
+            raise DiffError(f"{path}: hunk {number}: wrong line counts: the header says -{old_count} +{new_count} "
+                            f"but the hunk has {len(hunk.old)} old and {len(hunk.new)} new lines")
+        hunks.append(hunk)
     if not hunks:
         raise DiffError(f"{path}: the diff has no hunks; expected at least one '@@ -a,b +c,d @@' hunk")
     return hunks
-
-
-def _hunk_from_body(number: int, old_start: int, old_count: int, new_count: int, body: list[str],
-                    path: str) -> _Hunk:
-    old: list[str] = []
-    new: list[str] = []
-    new_no_eol = False
-    last = ""
-    for raw in body:
-        if raw.startswith("\\"):
-            new_no_eol = new_no_eol or last in ("+", " ")
-            continue
-        tag, text = (raw[:1], raw[1:]) if raw else (" ", "")
-        if tag not in (" ", "-", "+"):
-            raise DiffError(f"{path}: hunk {number}: line {raw[:80]!r} does not start with ' ', '-' or '+'")
-        if tag in (" ", "-"):
-            old.append(text)
-        if tag in (" ", "+"):
-            new.append(text)
-        last = tag
-    while len(old) > old_count and len(new) > new_count and body and body[-1] == "":
-        body.pop()
-        old.pop()
-        new.pop()
-    if len(old) != old_count or len(new) != new_count:
-        raise DiffError(f"{path}: hunk {number}: wrong line counts: the header says -{old_count} +{new_count} "
-                        f"but the hunk has {len(old)} old and {len(new)} new lines")
-    return _Hunk(number, old_start, old, new, new_no_eol)
 
 
 def apply_unified_diff(original: str, diff: str, path: str) -> str:
@@ -265,12 +258,13 @@ def _classify(path: str, body: str, where: str) -> FileEdit:
         blocks = _parse_blocks(body, path)
         return FileEdit(path, "search_replace", body, creates=not blocks[0][0])
     if re.search(r"^@@", body, re.M):
-        old = [ln for ln in body.split("\n") if ln.startswith("--- ")]
-        new = [ln for ln in body.split("\n") if ln.startswith("+++ ")]
+        preamble = body.split("\n@@", 1)[0].split("\n") if not body.startswith("@@") else []
+        old = [ln for ln in preamble if ln.startswith("--- ")]
+        new = [ln for ln in preamble if ln.startswith("+++ ")]
         if new and _header_path(new[0]) not in (path, DEV_NULL):
             raise DiffError(f"{where}: the diff header names {_header_path(new[0])!r} but the block is for {path!r}")
-        headers = re.findall(r"^@@ -\d+(?:,(\d+))? ", body, re.M)
-        creates = bool(old and _header_path(old[0]) == DEV_NULL) or all(h == "0" for h in headers)
+        old_counts = re.findall(r"^@@ -\d+(?:,(\d+))? ", body, re.M)
+        creates = bool(old and _header_path(old[0]) == DEV_NULL) or all(n == "0" for n in old_counts)
         return FileEdit(path, "unified", body, creates)
     raise DiffError(f"{where}: the block for {path} is neither a unified diff nor SEARCH/REPLACE blocks; "
                     "send a diff (a new file as a diff from /dev/null or an empty SEARCH)")
@@ -292,19 +286,18 @@ def _bare_diffs(lines: list[str], start: int, stop: int) -> list[FileEdit]:
     edits: list[FileEdit] = []
     i = start
     while i < stop:
-        if lines[i].startswith("--- ") and i + 1 < stop and lines[i + 1].startswith("+++ "):
-            old_path, new_path = _header_path(lines[i]), _header_path(lines[i + 1])
-            if new_path == DEV_NULL:
-                raise DiffError(f"{old_path}: deleting files is not supported; edit the file instead")
-            j = i + 2
-            while j < stop and not (lines[j].startswith("--- ") and j + 1 < stop and lines[j + 1].startswith("+++ ")) \
-                    and not _FENCE.match(lines[j]) and not lines[j].startswith("diff "):
-                j += 1
-            body = "\n".join(lines[i:j]) + "\n"
-            edits.append(_classify(new_path, body, f"diff for {new_path}"))
-            i = j
-        else:
+        if not _is_file_header(lines, i, stop):
             i += 1
+            continue
+        old_path, new_path = _header_path(lines[i]), _header_path(lines[i + 1])
+        if new_path == DEV_NULL:
+            raise DiffError(f"{old_path}: deleting files is not supported; edit the file instead")
+        j = i + 2
+        while j < stop and not (_is_file_header(lines, j, stop) or _FENCE.match(lines[j])
+                                or lines[j].startswith("diff ")):
+            j += 1
+        edits.append(_classify(new_path, "\n".join(lines[i:j]) + "\n", f"diff for {new_path}"))
+        i = j
     return edits
 
 
@@ -343,7 +336,7 @@ def parse_agent_output(text: str) -> list[FileEdit]:
             continue
         if lines[i].rstrip() == SEARCH_MARK:
             raise DiffError(f"line {i + 1}: SEARCH/REPLACE blocks need a 'FILE: <path>' line and a fence")
-        if lines[i].startswith("--- ") and i + 1 < len(lines) and lines[i + 1].startswith("+++ "):
+        if _is_file_header(lines, i, len(lines)):
             stop = next((k for k in range(i, len(lines)) if _FENCE.match(lines[k]) or _FILE_LINE.match(lines[k])),
                         len(lines))
             edits.extend(_bare_diffs(lines, i, stop))

@@ -44,6 +44,7 @@ class GenerateResult:
     steps: list[StepStats]
     seconds: float
     committed: list[list[int]] = field(default_factory=list)
+    cache: object | None = field(default=None, repr=False)
 
     @property
     def new_tokens(self) -> int:
@@ -134,7 +135,7 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
             raise GenerationError(f"request {i}: prompt of {len(p)} tokens + max_new_tokens {n} exceeds the "
                                   f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
     speculative = drafter is not None and spec is not None
-    extra = spec.max_nodes + 2 if speculative else 2
+    extra = 2 * spec.max_nodes + 4 if speculative else 2
     max_len = max(len(p) + n for p, n in zip(prompts, limits)) + extra
     dev = target.device
     eos = set(target.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -213,7 +214,7 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
                                    (t4 - t3 + t0 - t_prev) * 1e3, sum(len(trees[b]) for b in rows), accepted))
             t_prev = t4
         seconds = time.perf_counter() - start
-    return GenerateResult(out, steps, seconds, committed)
+    return GenerateResult(out, steps, seconds, committed, cache)
 
 
 def _choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,

@@ -55,7 +55,7 @@ class Store:
         try:
             with self._writer.begin() as conn:
                 if version is not None and version < SCHEMA_VERSION:
-                    upgrade(conn, version)
+                    self._upgrade(conn, version)
                 t.metadata.create_all(conn)
                 if version != SCHEMA_VERSION:
                     meta = t.Meta.__table__
@@ -65,6 +65,16 @@ class Store:
             self._reader.dispose()
             raise StoreError(f"{self.path} could not be opened for writing ({exc.orig}); check the file's "
                              "permissions or pass another --db path") from None
+        except StoreError:
+            self._reader.dispose()
+            raise
+
+    def _upgrade(self, conn: Any, version: int) -> None:
+        try:
+            upgrade(conn, version)
+        except Exception as exc:
+            raise StoreError(f"{self.path}: upgrading the store from schema version {version} failed ({exc}); "
+                             "the file was left at its old version; pass another --db path") from None
 
     def close(self) -> None:
         """Release every pooled connection (the last one closing checkpoints the WAL into the file)."""

@@ -1,0 +1,26 @@
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import tiny_models  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def tiny_pair(tmp_path_factory):
+    """A tiny target whose drafter is a noisy copy of itself (so drafts are partly accepted)."""
+    import torch
+
+    root = tmp_path_factory.mktemp("pair")
+    target = tiny_models.build(root / "target", "llama2", layers=3, init=0.15, seed=1)
+    drafter = tiny_models.build(root / "drafter", "llama2", layers=3, init=0.15, seed=1)
+    with torch.no_grad():
+        torch.manual_seed(5)
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.02)
+    drafter.save_pretrained(root / "drafter")
+    return root / "target", root / "drafter", target
