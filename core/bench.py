@@ -1,0 +1,162 @@
+"""Side-by-side benchmark in one process: transformers AR / assisted / prompt lookup, our AR, and recipes.
+
+Systems run interleaved request by request (A B C A B C ...), with the order rotated per request, so
+machine drift lands on every system alike. Tokens/s per repeat = tokens emitted / seconds spent over all
+requests; the reported figure is the median over repeats.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from tqdm import tqdm
+
+from core.deployment import Deployment
+from core.engine import Engine
+from core.recipe import Recipe
+from core.workload import Request, encode, load, split
+
+HF_SYSTEMS = ("hf-ar", "hf-assisted", "hf-lookup")
+
+
+@dataclass
+class SystemResult:
+    name: str
+    seconds: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    outputs: dict[str, list[int]] = field(default_factory=dict)
+    accepted: list[int] = field(default_factory=list)
+    speculative: bool = False
+
+    def to_dict(self, reference: dict[str, list[int]] | None) -> dict:
+        rates = [t / s for t, s in zip(self.tokens, self.seconds) if s > 0]
+        mismatched = None
+        if reference is not None:
+            mismatched = sum(1 for rid, out in self.outputs.items() if reference.get(rid) != out)
+        return {
+            "name": self.name,
+            "tokens_per_s": statistics.median(rates) if rates else 0.0,
+            "tokens_per_s_min": min(rates) if rates else 0.0,
+            "tokens_per_s_max": max(rates) if rates else 0.0,
+            "mean_accepted_length": (sum(self.accepted) / len(self.accepted)) if self.speculative and self.accepted else None,
+            "requests": len(self.outputs),
+            "mismatched_requests": mismatched,
+        }
+
+
+class HFSystems:
+    """transformers baselines on the same checkpoints and dtype (the stock reference implementation)."""
+
+    def __init__(self, deployment: Deployment) -> None:
+        from transformers import AutoModelForCausalLM
+
+        dtype = getattr(torch, deployment.dtype)
+        self.target = AutoModelForCausalLM.from_pretrained(deployment.target, dtype=dtype).to(deployment.device).eval()
+        self.drafter = None
+        if deployment.drafter:
+            self.drafter = AutoModelForCausalLM.from_pretrained(deployment.drafter, dtype=dtype).to(deployment.device).eval()
+        eos = self.target.generation_config.eos_token_id
+        self.pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+
+    def run(self, name: str, ids: list[int], max_new: int) -> list[int]:
+        inputs = torch.tensor([ids], device=self.target.device)
+        kwargs = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": self.pad,
+                  "attention_mask": torch.ones_like(inputs)}
+        if name == "hf-assisted":
+            kwargs["assistant_model"] = self.drafter
+        elif name == "hf-lookup":
+            kwargs["prompt_lookup_num_tokens"] = 10
+        with torch.inference_mode():
+            out = self.target.generate(inputs, **kwargs)
+        return out[0, len(ids):].tolist()
+
+
+def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_requests: int | None = None,
+        max_new_tokens: int | None = None, repeats: int = 3, hf: bool = True, progress: bool = True,
+        engine: Engine | None = None) -> dict:
+    """Benchmark every system on the same requests; returns the JSON-ready summary."""
+    from transformers import AutoTokenizer
+
+    requests = split(load(deployment.workload), which)[: max_requests or None]
+    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
+    prompts = {r.id: encode(tokenizer, r) for r in requests}
+    limits = {r.id: max_new_tokens or r.max_new_tokens for r in requests}
+    engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    runners: dict[str, Callable[[Request], tuple[list[int], float, list[int]]]] = {}
+    if hf:
+        hf_systems = HFSystems(deployment)
+        names = [n for n in HF_SYSTEMS if n != "hf-assisted" or hf_systems.drafter is not None]
+        for name in names:
+            runners[name] = _hf_runner(hf_systems, name, prompts, limits, deployment.device)
+    runners["ar"] = _our_runner(engine, None, prompts, limits)
+    for recipe in recipes:
+        runners[recipe.name] = _our_runner(engine, recipe, prompts, limits)
+    results = {name: SystemResult(name, speculative=name not in (*HF_SYSTEMS, "ar")) for name in runners}
+    for runner in runners.values():
+        runner(requests[0])
+    bar = tqdm(total=repeats * len(requests) * len(runners), desc="bench", file=sys.stderr, disable=not progress)
+    order = list(runners)
+    for rep in range(repeats):
+        totals = {name: [0, 0.0] for name in runners}
+        for i, request in enumerate(requests):
+            shift = (i + rep) % len(order)
+            for name in order[shift:] + order[:shift]:
+                tokens, seconds, accepted = runners[name](request)
+                totals[name][0] += len(tokens)
+                totals[name][1] += seconds
+                results[name].outputs[request.id] = tokens
+                results[name].accepted.extend(accepted)
+                bar.update()
+        for name, (n, s) in totals.items():
+            results[name].tokens.append(n)
+            results[name].seconds.append(s)
+    bar.close()
+    reference = results["hf-ar"].outputs if "hf-ar" in results else results["ar"].outputs
+    return {
+        "deployment": deployment.to_dict(),
+        "requests": len(requests),
+        "repeats": repeats,
+        "reference": "hf-ar" if "hf-ar" in results else "ar",
+        "results": [results[name].to_dict(reference) for name in runners],
+    }
+
+
+def _hf_runner(hf: HFSystems, name: str, prompts: dict, limits: dict, device: str):
+    def go(request: Request) -> tuple[list[int], float, list[int]]:
+        _sync(device)
+        t0 = time.perf_counter()
+        tokens = hf.run(name, prompts[request.id], limits[request.id])
+        _sync(device)
+        return tokens, time.perf_counter() - t0, []
+    return go
+
+
+def _our_runner(engine: Engine, recipe: Recipe | None, prompts: dict, limits: dict):
+    def go(request: Request) -> tuple[list[int], float, list[int]]:
+        result = engine.generate([prompts[request.id]], limits[request.id], recipe, speculative=recipe is not None)
+        return result.tokens[0], result.seconds, [a for s in result.steps for a in s.accepted]
+    return go
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def table(summary: dict) -> str:
+    """A plain-text table of a bench summary."""
+    rows = summary["results"]
+    base = next((r["tokens_per_s"] for r in rows if r["name"] == summary["reference"]), None)
+    lines = [f"{'system':<16}{'tok/s':>9}{'min':>9}{'max':>9}{'vs ' + summary['reference']:>10}{'accept':>8}"
+             f"{'mismatch':>10}"]
+    for r in rows:
+        speed = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
+        acc = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
+        lines.append(f"{r['name']:<16}{r['tokens_per_s']:>9.1f}{r['tokens_per_s_min']:>9.1f}"
+                     f"{r['tokens_per_s_max']:>9.1f}{speed:>10}{acc:>8}{r['mismatched_requests']!s:>10}")
+    return "\n".join(lines)

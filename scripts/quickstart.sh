@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# One command to set up and run SpecPilot: `bash scripts/quickstart.sh demo` (the loop on the shipped demo
+# deployment) or `bash scripts/quickstart.sh test` (the test suite). Works on a fresh CPU machine and on a
+# GPU box that already has torch (the venv sees the system's packages, so an installed torch is reused).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mode="${1:-demo}"
+shift || true
+PY="${PYTHON:-python3}"
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv --system-site-packages .venv
+fi
+if ! .venv/bin/python -c "import torch" >/dev/null 2>&1; then
+  # The CPU build of this exact version is on local disk here; a bare `torch` would pull a multi-GB CUDA build.
+  .venv/bin/pip install --quiet "torch==2.13.0"
+fi
+.venv/bin/pip install --quiet -e ".[dev]"
+case "$mode" in
+  demo)
+    exec .venv/bin/specpilot run --rounds 3 --agents local:4 --auto --headless "$@"
+    ;;
+  test)
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+    ;;
+  *)
+    echo "usage: bash scripts/quickstart.sh demo|test [extra options]" >&2
+    exit 2
+    ;;
+esac
