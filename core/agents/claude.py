@@ -119,6 +119,7 @@ class _StreamFailed(Exception):
 
 
 def _describe(exc: anthropic.APIStatusError) -> str:
+    """'type: message' from an API error body, so reasons read the same for HTTP errors and error events."""
     body = exc.body
     if isinstance(body, dict):
         error = body.get("error", body)

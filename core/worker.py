@@ -1,0 +1,55 @@
+"""A candidate's process: one resident engine fed prompts over a pipe (run as `python -m core.worker FD`).
+
+Candidate code (workspace plugins, recipes) only ever runs here, never in the judge. The worker answers on
+a dedicated file descriptor, so whatever the candidate prints cannot forge a reply; its timing is not
+trusted (the judge times every request from outside), and its stats are shown, never used to decide.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _serve(reply_fd: int) -> None:
+    out = os.fdopen(reply_fd, "w", buffering=1)
+    sys.stdout = sys.stderr
+    engine = recipe = None
+
+    def send(obj: dict) -> None:
+        out.write(json.dumps(obj) + "\n")
+        out.flush()
+
+    for line in sys.stdin:
+        msg = json.loads(line)
+        try:
+            if msg["op"] == "init":
+                from core.engine import Engine
+                from core.engine.plugins import load_workspace
+                from core.recipe import Recipe
+
+                if msg.get("workspace"):
+                    load_workspace(msg["workspace"])
+                d = msg["deployment"]
+                engine = Engine.load(d["target"], d.get("drafter"), d["dtype"], d["device"])
+                recipe = Recipe.from_toml(msg["recipe"]) if msg.get("recipe") else None
+                send({"ok": True})
+            elif msg["op"] == "generate":
+                result = engine.generate([msg["prompt"]], msg["max_new_tokens"], recipe,
+                                         request_ids=[msg.get("request_id", 0)], speculative=recipe is not None)
+                send({"ok": True, "tokens": result.tokens[0],
+                      "accepted": [a for s in result.steps for a in s.accepted]})
+            elif msg["op"] == "exit":
+                send({"ok": True})
+                return
+            else:
+                send({"ok": False, "error": f"unknown op {msg['op']!r}"})
+        except Exception as exc:  # any candidate failure is reported, the judge decides what it means
+            last = traceback.format_exc().strip().splitlines()[-1]
+            send({"ok": False, "error": f"{type(exc).__name__}: {exc}"[:500], "trace": last[:500]})
+
+
+if __name__ == "__main__":
+    _serve(int(sys.argv[1]))
