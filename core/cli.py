@@ -18,7 +18,8 @@ def deployment_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", help="JSONL request set (default: workloads/code.jsonl)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="model dtype (default: bfloat16)")
+                   help="model dtype (default: bfloat16 on CUDA and CPUs with bf16 hardware, else float32)")
+    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
 
 
 def loop_options(p: argparse.ArgumentParser) -> None:
@@ -26,7 +27,7 @@ def loop_options(p: argparse.ArgumentParser) -> None:
     deployment_options(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--agents", default="local:4", help="e.g. local:4,claude:2")
-    p.add_argument("--model", default="claude-sonnet-4-5", help="Claude model for claude agents")
+    p.add_argument("--model", default="claude-opus-5-5", help="Claude model for claude agents")
     p.add_argument("--auto", action="store_true", help="approve candidates that pass every gate")
     p.add_argument("--db", default=None, help="SQLite store (default: $SPECPILOT_DB or ./store.db)")
     p.add_argument("--max-requests", type=int, default=None, help="cap requests per split (quicker rounds)")
@@ -49,6 +50,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from core.deployment import Deployment
 
     deployment = Deployment.from_args(args)
+    deployment.apply_threads()
     recipes = _recipes(args.recipes)
     if args.batch_sizes:
         from core.batchbench import run_batched
@@ -59,6 +61,98 @@ def cmd_bench(args: argparse.Namespace) -> int:
         summary = bench.run(deployment, recipes, args.split, args.max_requests, args.max_new_tokens, args.repeats,
                             hf=not args.no_hf, progress=not args.quiet)
     print(json.dumps(summary, indent=2) if args.json else bench.table(summary))
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from core.loop import build_loop, stderr_progress
+
+    loop = build_loop(args)
+    if not args.auto and args.headless:
+        print("specpilot: --headless without --auto waits for decisions that nobody can give; add --auto or use "
+              "specpilot-tui", file=sys.stderr)
+        return 2
+    summary = loop.run(stderr_progress)
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        for r in summary["rounds"]:
+            inc = r["incumbent"]
+            print(f"round {r['index']}: largest gap {r['largest_gap']}; incumbent x{inc['heldout_speedup_vs_ar']:.2f} "
+                  f"vs AR, x{inc['heldout_speedup_vs_stock']:.2f} vs stock")
+        print(f"run {summary['run']} stored in {loop.config.db}")
+    return 0
+
+
+def _store(args: argparse.Namespace):
+    from core.store import Store
+
+    path = db_path(args)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no store at {path}; run `specpilot run` first or pass --db PATH")
+    return Store(path)
+
+
+def cmd_runs(args: argparse.Namespace) -> int:
+    runs = _store(args).list_runs()
+    if args.json:
+        print(json.dumps(runs, indent=2, default=str))
+        return 0
+    print(f"{'run':>4}  {'status':<9}{'rounds':>7}{'best':>8}  started              deployment")
+    for r in runs:
+        best = f"x{r['best_heldout_speedup']:.2f}" if r.get("best_heldout_speedup") else "-"
+        dep = r.get("deployment") or {}
+        name = f"{Path(dep.get('target', '?')).name} + {Path(dep.get('drafter') or 'none').name}"
+        print(f"{r['id']:>4}  {r['status']:<9}{r['rounds']:>7}{best:>8}  {str(r['started_at'])[:19]:<20} {name}")
+    return 0
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    store = _store(args)
+    run = store.run(args.run)
+    if run is None:
+        raise FileNotFoundError(f"run {args.run} is not in {db_path(args)}; see `specpilot runs`")
+    rounds = store.list_rounds(args.run)
+    if args.round is not None:
+        rounds = [r for r in rounds if r["index"] == args.round]
+        if not rounds:
+            raise FileNotFoundError(f"run {args.run} has no round {args.round}")
+    detail = {"run": run, "rounds": [{**r, "candidates": store.candidates(r["id"])} for r in rounds]}
+    if args.json:
+        print(json.dumps(detail, indent=2, default=str))
+        return 0
+    print(f"run {run['id']} ({run['status']})")
+    for r in detail["rounds"]:
+        inc = r.get("incumbent") or {}
+        print(f"round {r['index']}: gaps {json.dumps((r.get('gaps') or {}).get('gaps'))}")
+        for c in r["candidates"]:
+            gates = " ".join(f"{g}:{'ok' if ok['passed'] else 'FAIL'}" for g, ok in (c.get("gates") or {}).items())
+            print(f"  {c['cid']:<10}{c['agent']:<12}{c['title'][:50]:<52}{gates}")
+        if inc:
+            print(f"  incumbent x{inc.get('heldout_speedup_vs_ar', 0):.2f} vs AR, "
+                  f"x{inc.get('heldout_speedup_vs_stock', 0):.2f} vs stock")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from core.recipe import Recipe
+
+    store = _store(args)
+    rounds = [r for r in store.list_rounds(args.run) if r.get("incumbent")]
+    if not rounds:
+        raise FileNotFoundError(f"run {args.run} has no finished round in {db_path(args)}")
+    recipe = Recipe.from_toml(rounds[-1]["incumbent"]["recipe"], source=f"run {args.run}")
+    recipe.save(args.recipe)
+    print(f"wrote {args.recipe} (incumbent of run {args.run}, round {rounds[-1]['index']})")
+    return 0
+
+
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    import runpy
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "train_demo.py"
+    sys.argv = [str(script), *args.rest]
+    runpy.run_path(str(script), run_name="__main__")
     return 0
 
 
@@ -79,6 +173,34 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
 
+    r = sub.add_parser("run", help="the optimisation loop, headless")
+    loop_options(r)
+    r.add_argument("--headless", action="store_true", help="no dashboard (progress on stderr)")
+    r.add_argument("--json", action="store_true", help="summary as JSON on stdout")
+    r.set_defaults(func=cmd_run)
+
+    rs = sub.add_parser("runs", help="runs stored in the database")
+    rs.add_argument("--db", default=None)
+    rs.add_argument("--json", action="store_true")
+    rs.set_defaults(func=cmd_runs)
+
+    sh = sub.add_parser("show", help="one run's rounds and candidates")
+    sh.add_argument("run", type=int)
+    sh.add_argument("--round", type=int, default=None)
+    sh.add_argument("--db", default=None)
+    sh.add_argument("--json", action="store_true")
+    sh.set_defaults(func=cmd_show)
+
+    ex = sub.add_parser("export", help="write a run's final incumbent recipe")
+    ex.add_argument("run", type=int)
+    ex.add_argument("--recipe", required=True, help="output TOML path")
+    ex.add_argument("--db", default=None)
+    ex.set_defaults(func=cmd_export)
+
+    td = sub.add_parser("train-demo", help="retrain the shipped demo pair (scripts/train_demo.py)")
+    td.add_argument("rest", nargs=argparse.REMAINDER)
+    td.set_defaults(func=cmd_train_demo)
+
     for extra in EXTRA_COMMANDS:
         extra(sub)
     return parser
@@ -90,17 +212,108 @@ EXTRA_COMMANDS: list = []
 def main(argv: list[str] | None = None) -> int:
     """Entry point; expected failures print one line to stderr and exit 2, never a traceback."""
     from core.engine import GenerationError, ModelLoadError
+    from core.store import StoreError
     from core.workload import WorkloadError
 
     args = build_parser().parse_args(argv)
     try:
         return args.func(args) or 0
-    except (ModelLoadError, GenerationError, WorkloadError, RecipeError, FileNotFoundError) as exc:
+    except (ModelLoadError, GenerationError, WorkloadError, RecipeError, FileNotFoundError, ValueError,
+            StoreError) as exc:
         print(f"specpilot: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("specpilot: interrupted", file=sys.stderr)
         return 130
+
+
+def _requests(deployment, which: str, max_requests: int | None, max_new_tokens: int | None):
+    """Prompts (token ids), limits and request ids of a deployment's workload split."""
+    from transformers import AutoTokenizer
+
+    from core.workload import encode, load, split
+
+    requests = split(load(deployment.workload), which)[: max_requests or None]
+    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
+    prompts = [encode(tokenizer, r) for r in requests]
+    limits = [max_new_tokens or r.max_new_tokens for r in requests]
+    return prompts, limits, list(range(len(requests)))
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from core.costmodel.report import analyse
+    from core.deployment import Deployment
+    from core.engine import Engine
+    from core.recipe import resolve
+
+    deployment = Deployment.from_args(args)
+    recipe = resolve(args.recipe)
+    prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    report = analyse(engine, recipe, prompts, limits, ids)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    r = report["replay"]
+    print(f"{recipe.name} on {deployment.describe()}: {report['requests']} requests, {report['tokens']} tokens")
+    print(f"measured {report['measured_tokens_per_s']:.1f} tok/s   predicted {report['predicted_tokens_per_s']:.1f}"
+          f"   ceiling {report['ceiling_tokens_per_s']:.1f}   floor step {report['floor_verify_ms']:.3f} ms")
+    print(f"accepted/step: incumbent {r['incumbent']:.2f} (measured {r['measured_incumbent']:.2f}), "
+          f"chain {' '.join(f'{v:.2f}' for v in r['chain'].values())}, "
+          f"best tree {' '.join(f'{b}:{v:.2f}' for b, v in r['best_tree'].items())}")
+    for gap in report["gaps"]:
+        mark = "  <- largest" if gap["component"] == report["largest_gap"] else ""
+        print(f"  {gap['component']:<11}{gap['ms_per_token']:>9.3f} ms/token{mark}")
+    return 0
+
+
+def add_profile(sub) -> None:
+    p = sub.add_parser("profile", help="cost model: phase costs, replayed acceptance, ceiling and gaps")
+    deployment_options(p)
+    p.add_argument("--recipe", default="stock", help="built-in name or .toml file (default: stock)")
+    p.add_argument("--split", default="tuning", choices=["tuning", "heldout", "all"])
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_profile)
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from core.deployment import Deployment
+    from core.engine import Engine
+    from core.forcing import compare
+    from core.recipe import resolve
+
+    deployment = Deployment.from_args(args)
+    recipe = resolve(args.recipe)
+    prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    result = compare(engine, recipe, prompts, limits, request_ids=ids, reference_dtype=args.reference_dtype)
+    if args.json:
+        print(json.dumps(result, indent=2))
+    else:
+        s, r = result["stock"], result["result"]
+        print(f"stock     {s['mismatches']:>5}/{s['tokens']:<6} {100 * result['stock_rate']:6.2f}%  "
+              f"(near-ties {s['near_ties']})")
+        print(f"{recipe.name:<9} {r['mismatches']:>5}/{r['tokens']:<6} {100 * result['rate']:6.2f}%  "
+              f"(near-ties {r['near_ties']}, truncated {r['truncated']}, padded {r['padded']})")
+        print(f"threshold {100 * result['threshold']:.2f}%: {'PASS' if result['passed'] else 'FAIL'}")
+    return 0 if result["passed"] else 1
+
+
+def add_verify(sub) -> None:
+    p = sub.add_parser("verify", help="token forcing: mismatch rates of stock and a recipe, and the verdict")
+    deployment_options(p)
+    p.add_argument("--recipe", required=True, help="built-in name or .toml file")
+    p.add_argument("--split", default="tuning", choices=["tuning", "heldout", "all"])
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_verify)
+
+
+EXTRA_COMMANDS += [add_profile, add_verify]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,10 @@ def _serve(reply_fd: int) -> None:
                 if msg.get("workspace"):
                     load_workspace(msg["workspace"])
                 d = msg["deployment"]
+                if d.get("threads"):
+                    import torch
+
+                    torch.set_num_threads(int(d["threads"]))
                 engine = Engine.load(d["target"], d.get("drafter"), d["dtype"], d["device"])
                 recipe = Recipe.from_toml(msg["recipe"]) if msg.get("recipe") else None
                 send({"ok": True})

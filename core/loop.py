@@ -1,0 +1,448 @@
+"""The search loop: measure -> propose (agents in parallel) -> judge -> decide -> integrate -> remember.
+
+Everything that happens is an Event: stored in SQLite (in order, streamed chunks included) and handed to
+whoever watches (the dashboard, or stderr when headless). The loop runs in the caller's thread; agents
+run in their own threads; the judge serialises timing per device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from core.deployment import Deployment
+from core.events import DecisionRefused, Emit, Event
+from core.judge import Judge, JudgeRequest
+from core.recipe import Recipe, builtin
+
+STATES = ("measuring", "proposing", "judging", "awaiting_approval", "integrating", "paused", "done", "failed")
+
+
+@dataclass
+class LoopConfig:
+    deployment: Deployment = field(default_factory=Deployment)
+    rounds: int = 3
+    agents: str = "local:4"
+    model: str = "claude-opus-5-5"
+    auto: bool = False
+    db: str = "store.db"
+    max_requests: int | None = None
+    max_new_tokens: int | None = None
+    seed: int = 0
+    limit_s: float = 120.0
+    workdir: str = ".specpilot"
+
+
+@dataclass
+class Pending:
+    cid: str
+    recipe: Recipe
+    passed: bool
+    failed_gate: str | None
+    verdict: Any = None
+    candidate: Any = None
+    decision: str | None = None
+
+
+class Loop:
+    """The real core behind `specpilot run` and `specpilot-tui` (implements core.events.LoopHandle)."""
+
+    def __init__(self, config: LoopConfig) -> None:
+        from core.agents.registry import parse_agents
+
+        self.config = config
+        self.counts = dict(parse_agents(config.agents))
+        if self.counts.get("claude"):
+            from core.agents.claude import require_api_key
+
+            require_api_key()
+        from core.store import Store
+
+        self.store = Store(config.db)
+        self.run_id: int | None = None
+        self.round = 0
+        self._emit_to: Emit | None = None
+        self._lock = threading.Lock()
+        self._decided = threading.Condition(self._lock)
+        self._pending: dict[str, Pending] = {}
+        self._running = threading.Event()
+        self._running.set()
+        self._stop = False
+
+    # -- control (any thread) -------------------------------------------------------------------------
+    def pause(self) -> None:
+        self._running.clear()
+        self._event("state", {"state": "paused"})
+
+    def resume(self) -> None:
+        self._running.set()
+        self._event("notice", {"message": "resumed"})
+
+    def stop(self) -> None:
+        with self._decided:
+            self._stop = True
+            self._decided.notify_all()
+        self._running.set()
+
+    def decide(self, cid: str, decision: str, note: str = "") -> None:
+        """Approve or reject a waiting candidate; approval never overrides a failed gate."""
+        if decision not in ("approve", "reject"):
+            raise DecisionRefused(f"decision must be approve or reject, not {decision!r}")
+        with self._decided:
+            p = self._pending.get(cid)
+            if p is None:
+                raise DecisionRefused(f"candidate {cid} is not waiting for a decision")
+            if decision == "approve" and not p.passed:
+                raise DecisionRefused(f"candidate {cid} failed the {p.failed_gate} gate; approval cannot override "
+                                      "a failed gate")
+            if p.decision is not None:
+                raise DecisionRefused(f"candidate {cid} was already decided ({p.decision})")
+            p.decision = decision
+            self._decided.notify_all()
+        self.store.add_decision(cid, decision, note, "user")
+        self._event("decision", {"cid": cid, "decision": decision, "note": note, "by": "user"})
+
+    # -- events ---------------------------------------------------------------------------------------
+    def _event(self, kind: str, payload: dict) -> None:
+        if self.run_id is None:
+            return
+        stored = self.store.append_event(self.run_id, Event(kind, payload, self.run_id, self.round or None))
+        if self._emit_to is not None:
+            self._emit_to(stored)
+
+    def _state(self, state: str) -> None:
+        self._event("state", {"state": state})
+
+    def _checkpoint(self) -> None:
+        """Between steps: wait while paused."""
+        if not self._running.is_set():
+            self._running.wait()
+
+    # -- the run --------------------------------------------------------------------------------------
+    def run(self, emit: Emit | None = None) -> dict:
+        """Run every round; returns the summary (also stored with the run)."""
+        self._emit_to = emit
+        cfg, d = self.config, self.config.deployment
+        self.run_id = self.store.create_run(d.to_dict(), {k: v for k, v in vars(cfg).items() if k != "deployment"})
+        try:
+            summary = self._run()
+        except Exception as exc:
+            self._event("error", {"message": f"{type(exc).__name__}: {exc}"})
+            self._state("failed")
+            self.store.finish_run(self.run_id, "failed", {"error": str(exc)})
+            raise
+        self.store.finish_run(self.run_id, "stopped" if self._stop else "done", summary)
+        self._event("run_finished", {"run": self.run_id, "summary": summary})
+        self._state("done")
+        return summary
+
+    def _run(self) -> dict:
+        from core.setup import prepare
+
+        cfg, d = self.config, self.config.deployment
+        self._event("run_started", {"run": self.run_id, "deployment": d.to_dict(), "agents": [cfg.agents],
+                                    "auto": cfg.auto})
+        self.workspace = Path(cfg.workdir) / f"run-{self.run_id}"
+        (self.workspace / "plugins").mkdir(parents=True, exist_ok=True)
+        ctx = prepare(d, cfg.max_requests, cfg.max_new_tokens, cfg.seed)
+        self.ctx = ctx
+        stock = builtin("stock")
+        self._state("measuring")
+        judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, cfg.limit_s, cfg.seed)
+        calibration = judge.calibrate(stock, stock)
+        self._event("notice", {"message": f"noise floor {calibration['noise_floor']:.3f} (A/A on "
+                                          f"{len(ctx.tuning)} tuning requests); stock forcing rate "
+                                          f"{calibration['stock_forcing']['rate']:.4f}"})
+        stock_vs_ar = judge.measure(None, stock, ctx.heldout)
+        incumbent, inc_ws = stock, None
+        standing = {"vs_ar": stock_vs_ar.speedup, "vs_stock": 1.0, "interval": [stock_vs_ar.low, stock_vs_ar.high]}
+        memory = self.store.memory(d.fingerprint())
+        if memory:
+            self._event("notice", {"message": f"memory: {len(memory)} validated mechanism(s) to start from"})
+        rounds = []
+        for index in range(1, cfg.rounds + 1):
+            if self._stop:
+                break
+            self._checkpoint()
+            self.round = index
+            self._event("round_started", {"round": index})
+            self._state("measuring")
+            report = ctx.analyse(incumbent)
+            ceiling_vs_ar = report["ceiling_tokens_per_s"] / ctx.ar_tokens_per_s if ctx.ar_tokens_per_s else None
+            self._event("gaps", {"round": index, "measured_tokens_per_s": report["measured_tokens_per_s"],
+                                 "ceiling_tokens_per_s": report["ceiling_tokens_per_s"], "gaps": report["gaps"],
+                                 "largest_gap": report["largest_gap"]})
+            round_id = self.store.start_round(self.run_id, index, {k: report[k] for k in (
+                "measured_tokens_per_s", "ceiling_tokens_per_s", "gaps", "largest_gap")})
+            self._checkpoint()
+            candidates = self._propose(index, incumbent, report, memory)
+            self._state("judging")
+            pending = self._judge(judge, candidates, incumbent, inc_ws, round_id)
+            approved = self._await_decisions(pending)
+            self._state("integrating")
+            new, new_ws, evidence = self._integrate(judge, approved, incumbent, inc_ws)
+            if new is not incumbent:
+                vs_ar = judge.measure(None, new, ctx.heldout, new_ws)
+                vs_stock = judge.measure(stock, new, ctx.heldout, new_ws)
+                standing = {"vs_ar": vs_ar.speedup, "vs_stock": vs_stock.speedup,
+                            "interval": [vs_stock.low, vs_stock.high]}
+                incumbent, inc_ws = new, new_ws
+                self._remember(evidence, incumbent)
+            inc = {"round": index, "recipe": incumbent.to_toml(), "heldout_speedup_vs_ar": standing["vs_ar"],
+                   "heldout_speedup_vs_stock": standing["vs_stock"], "interval": standing["interval"],
+                   "ceiling_speedup_vs_ar": ceiling_vs_ar, "stock_speedup_vs_ar": stock_vs_ar.speedup}
+            with self.store.transaction():
+                self._event("incumbent", inc)
+                self._event("round_finished", {"round": index})
+                self.store.finish_round(round_id, inc)
+            rounds.append({"index": index, "largest_gap": report["largest_gap"],
+                           "candidates": [self._candidate_summary(p) for p in pending],
+                           "incumbent": {"recipe": incumbent.to_toml(), "heldout_speedup_vs_ar": standing["vs_ar"],
+                                         "heldout_speedup_vs_stock": standing["vs_stock"],
+                                         "interval": standing["interval"]},
+                           "gaps": report["gaps"], "predicted_tokens_per_s": report.get("predicted_tokens_per_s"),
+                           "measured_tokens_per_s": report["measured_tokens_per_s"]})
+        return {"run": self.run_id, "deployment": d.to_dict(), "noise_floor": judge.floor,
+                "stock_heldout_speedup_vs_ar": stock_vs_ar.speedup, "rounds": rounds}
+
+    # -- steps ----------------------------------------------------------------------------------------
+    def _propose(self, index: int, incumbent: Recipe, report: dict, memory: list[dict]) -> list[tuple[str, Any]]:
+        from core.agents.base import AgentContext
+        from core.agents.registry import directions, make_agents
+
+        self._state("proposing")
+        agents = make_agents(self.config.agents, self.config.seed + index, self.config.model, report=report,
+                             memory=memory, incumbent=incumbent)
+        dirs = directions(report, len(agents))
+        results: list[tuple[str, Any]] = [None] * len(agents)
+
+        def work(i: int) -> None:
+            agent = agents[i]
+            cid = f"r{index}-c{i + 1}"
+            ws = self.workspace / cid
+            (ws / "plugins").mkdir(parents=True, exist_ok=True)
+            self._event("agent_started", {"cid": cid, "agent": agent.name, "direction": dirs[i]})
+            context = AgentContext(deployment=self.config.deployment.to_dict(), recipe=incumbent, cost_report=report,
+                                   memory=memory, direction=dirs[i], workspace=ws,
+                                   tuning_summary=self.ctx.tuning_summary, seed=self.config.seed + index,
+                                   tools=self.ctx.tools)
+            try:
+                out = agent.propose(context, lambda text: self._event("agent_chunk", {"cid": cid, "text": text}))
+            except Exception as exc:  # an agent bug is that candidate's failure, never the loop's
+                from core.agents.base import AgentFailure
+
+                out = AgentFailure(agent.name, f"agent crashed: {type(exc).__name__}: {exc}")
+            results[i] = (cid, out)
+
+        with ThreadPoolExecutor(max_workers=max(1, len(agents))) as pool:
+            list(pool.map(work, range(len(agents))))
+        return results
+
+    def _judge(self, judge: Judge, candidates: list[tuple[str, Any]], incumbent: Recipe, inc_ws, round_id: int) -> list[Pending]:
+        from core.agents.base import AgentFailure
+
+        pending = []
+        for cid, out in candidates:
+            self._checkpoint()
+            if isinstance(out, AgentFailure):
+                self._event("candidate_failed", {"cid": cid, "agent": out.agent, "reason": out.reason})
+                continue
+            ws = self.workspace / cid
+            for rel, text in (out.files or {}).items():
+                path = ws / rel
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
+            self.store.add_candidate(round_id, cid, out.agent, out.title, out.rationale, out.kind, out.diff,
+                                     out.recipe.to_toml(), out.predicted_speedup)
+            self._event("candidate", {"cid": cid, "agent": out.agent, "title": out.title, "rationale": out.rationale,
+                                      "kind": out.kind, "diff": out.diff, "recipe": out.recipe.to_toml(),
+                                      "predicted_speedup": out.predicted_speedup})
+
+            def on_gate(gate: str, passed: bool, detail: str, cid: str = cid) -> None:
+                self.store.set_gate(cid, gate, passed, detail)
+                self._event("gate", {"cid": cid, "gate": gate, "passed": passed, "detail": detail})
+
+            def on_forcing(result: dict, cid: str = cid) -> None:
+                self.store.add_forcing(cid, result)
+                keys = ("tokens", "mismatches", "rate", "near_ties", "threshold", "passed")
+                self._event("forcing", {"cid": cid, **{k: result.get(k) for k in keys}})
+
+            def on_evaluation(split: str, result, cid: str = cid) -> None:
+                self._event("evaluation", {"cid": cid, "split": split, "speedup": result.speedup, "low": result.low,
+                                           "high": result.high, "passed": result.passed})
+
+            verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
+            for split, samples in verdict.samples.items():
+                comp = getattr(verdict, split)
+                self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
+            failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
+            pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
+        return pending
+
+    def _await_decisions(self, pending: list[Pending]) -> list[Pending]:
+        waiting = [p for p in pending if p.passed]
+        if not waiting:
+            return []
+        if self.config.auto:
+            for p in waiting:
+                p.decision = "approve"
+                self.store.add_decision(p.cid, "approve", "passed every gate", "auto")
+                self._event("decision", {"cid": p.cid, "decision": "approve", "note": "passed every gate", "by": "auto"})
+            return waiting
+        with self._decided:
+            for p in pending:
+                self._pending[p.cid] = p
+        self._state("awaiting_approval")
+        for p in waiting:
+            self._event("awaiting_decision", {"cid": p.cid})
+        with self._decided:
+            while not self._stop and any(p.decision is None for p in waiting):
+                self._decided.wait(timeout=0.5)
+            for p in pending:
+                self._pending.pop(p.cid, None)
+        return [p for p in waiting if p.decision == "approve"]
+
+    def _integrate(self, judge: Judge, approved: list[Pending], incumbent: Recipe, inc_ws):
+        """One winner becomes the incumbent; several are combined and re-judged together."""
+        if not approved:
+            return incumbent, inc_ws, []
+        best = max(approved, key=lambda p: p.verdict.heldout.speedup)
+        choice, ws, evidence = best.recipe, self.workspace / best.cid, [best]
+        if len(approved) > 1:
+            combined = _combine(incumbent, [p.recipe for p in sorted(approved, key=lambda p: -p.verdict.heldout.speedup)])
+            if combined is not None and combined != best.recipe:
+                cid = f"r{self.round}-merge"
+                self._event("notice", {"message": f"integrating {len(approved)} winners into one recipe; re-judging"})
+                merged_ws = self.workspace / cid
+                (merged_ws / "plugins").mkdir(parents=True, exist_ok=True)
+                for p in approved:
+                    for f in (self.workspace / p.cid / "plugins").glob("*.py"):
+                        (merged_ws / "plugins" / f.name).write_text(f.read_text())
+                verdict = judge.evaluate(combined, best.recipe, merged_ws, ws)
+                if verdict.passed:
+                    self._event("notice", {"message": f"combined recipe beats the best single winner "
+                                                      f"(x{verdict.heldout.speedup:.3f} held-out)"})
+                    return combined, merged_ws, approved
+                self._event("notice", {"message": f"combined recipe kept out ({verdict.reason}); "
+                                                  f"taking {best.cid}"})
+        return choice, ws, evidence
+
+    def _remember(self, evidence: list[Pending], incumbent: Recipe) -> None:
+        d = self.config.deployment
+        for p in evidence:
+            fragment = _fragment(p.verdict and p.recipe, self._previous_toml(p))
+            comp = p.verdict.heldout
+            self.store.add_memory({
+                "mechanism": p.candidate.title, "description": p.candidate.rationale, "fragment": fragment,
+                "fingerprint": d.fingerprint(),
+                "effect": {"heldout_speedup": comp.speedup, "interval": [comp.low, comp.high]},
+                "evidence": {"run": self.run_id, "round": self.round, "cid": p.cid,
+                             "tuning": p.verdict.tuning.to_dict(), "heldout": comp.to_dict()},
+            })
+
+    def _previous_toml(self, p: Pending) -> dict:
+        from core.agents.diffs import DiffError
+
+        try:
+            return _diff_base(p.candidate.diff)
+        except DiffError:
+            return {}
+
+    @staticmethod
+    def _candidate_summary(p: Pending) -> dict:
+        v = p.verdict
+        held = v.heldout
+        return {"cid": p.cid, "agent": p.candidate.agent, "title": p.candidate.title,
+                "gates": {g: r["passed"] for g, r in v.gates.items()},
+                "verdict": "win" if p.passed else "fail", "reason": v.reason, "decision": p.decision,
+                "predicted_speedup": p.candidate.predicted_speedup,
+                "heldout_speedup": held.speedup if held else None,
+                "interval": [held.low, held.high] if held else None,
+                "forcing_rate": v.forcing["rate"] if v.forcing else None}
+
+
+def _combine(incumbent: Recipe, winners: list[Recipe]) -> Recipe | None:
+    """Apply each winner's changed fields (relative to the incumbent) on top of each other, best first."""
+    base = incumbent.to_dict()
+    merged = json.loads(json.dumps(base))
+    for w in winners:
+        for section, fields in w.to_dict().items():
+            if not isinstance(fields, dict):
+                continue
+            for key, value in fields.items():
+                if base[section][key] != value and merged[section][key] == base[section][key]:
+                    merged[section][key] = value
+    try:
+        return Recipe.from_dict({**merged, "name": "combined"})
+    except ValueError:
+        return None
+
+
+def _diff_base(diff: str) -> dict:
+    """The recipe a candidate's recipe diff was made against (its '-' and context lines)."""
+    import tomllib
+
+    lines = [line[1:] for line in diff.splitlines() if line[:1] in (" ", "-") and not line.startswith("---")]
+    try:
+        return tomllib.loads("\n".join(lines))
+    except tomllib.TOMLDecodeError:
+        return {}
+
+
+def _fragment(recipe: Recipe, base: dict) -> dict:
+    """The sections and fields a recipe changed relative to `base` (all of it when base is unknown)."""
+    out: dict[str, dict] = {}
+    for section, fields in recipe.to_dict().items():
+        if not isinstance(fields, dict):
+            continue
+        changed = {k: v for k, v in fields.items() if base.get(section, {}).get(k) != v}
+        if changed:
+            out[section] = changed
+    return out
+
+
+def config_from_args(args: argparse.Namespace) -> LoopConfig:
+    import os
+
+    return LoopConfig(deployment=Deployment.from_args(args), rounds=args.rounds, agents=args.agents,
+                      model=getattr(args, "model", "claude-opus-5-5"), auto=args.auto,
+                      db=args.db or os.environ.get("SPECPILOT_DB") or "store.db",
+                      max_requests=getattr(args, "max_requests", None),
+                      max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0))
+
+
+def build_loop(args: argparse.Namespace) -> Loop:
+    """What the dashboard and `specpilot run` call."""
+    return Loop(config_from_args(args))
+
+
+def stderr_progress(event: Event) -> None:
+    """Headless progress: one line per meaningful event on stderr."""
+    p = event.payload
+    line = None
+    if event.kind == "round_started":
+        line = f"round {p['round']}"
+    elif event.kind == "gaps":
+        line = (f"  measured {p['measured_tokens_per_s']:.0f} tok/s, ceiling {p['ceiling_tokens_per_s']:.0f}; "
+                f"largest gap: {p['largest_gap']}")
+    elif event.kind == "candidate":
+        line = f"  {p['cid']} {p['agent']}: {p['title']}"
+    elif event.kind == "candidate_failed":
+        line = f"  {p['cid']} {p['agent']}: no candidate ({p['reason']})"
+    elif event.kind == "gate" and not p["passed"]:
+        line = f"    {p['cid']} failed {p['gate']}: {p['detail']}"
+    elif event.kind == "evaluation":
+        line = f"    {p['cid']} {p['split']}: x{p['speedup']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
+    elif event.kind == "incumbent":
+        line = (f"  incumbent: x{p['heldout_speedup_vs_ar']:.2f} vs AR, x{p['heldout_speedup_vs_stock']:.2f} "
+                f"vs stock (held-out)")
+    elif event.kind in ("notice", "error"):
+        line = f"  {event.kind}: {p['message']}"
+    if line:
+        print(line, file=sys.stderr, flush=True)
