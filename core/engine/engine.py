@@ -74,7 +74,7 @@ class Engine:
         """Target and drafter model with the recipe's weight format applied (converted once, cached)."""
         if recipe.weights.format == "native":
             return self.target, self.drafter_model
-        from kernels.packed12 import pack_transformer
+        from core.engine.weights import pack_transformer
 
         key = recipe.weights.format
         if key not in self._packed:

@@ -108,6 +108,7 @@ class Transformer:
         self.dtype = dtype
         self.device = torch.device(device)
         self.num_layers = num_layers or cfg.num_layers
+        self.weight_format = "native"
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
@@ -130,7 +131,7 @@ class Transformer:
             if state.get(p + "self_attn.q_proj.bias") is not None:
                 qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
             gate_up_w = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            raw = {"qkv": qkv_w, "o": take(p + "self_attn.o_proj.weight"), "gate_up": gate_up_w,
+            raw = {"qkv": qkv_w, "qkv_bias": qkv_b, "o": take(p + "self_attn.o_proj.weight"), "gate_up": gate_up_w,
                    "down": take(p + "mlp.down_proj.weight")}
             self.layers.append(LayerWeights(
                 attn_norm=take(p + "input_layernorm.weight"),

@@ -1,0 +1,49 @@
+"""Weight formats as an engine mechanism: `[weights] format = "packed12"` swaps every linear projection for
+the lossless 12-bit packed form (kernels/packed12.py). Lossless means bit-exact weights, so the conversion
+refuses weights that bfloat16 cannot hold exactly."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from core.engine.model import Transformer
+
+
+class WeightFormatError(ValueError):
+    """Weights that a format cannot hold without changing them."""
+
+
+def _packed(weight: torch.Tensor, bias: torch.Tensor | None = None):
+    from kernels.packed12 import PackedLinear
+
+    bf16 = weight.to(torch.bfloat16)
+    if not torch.equal(bf16.to(weight.dtype), weight):
+        raise WeightFormatError("packed12 needs weights that bfloat16 holds exactly (checkpoints stored in "
+                                "bfloat16); this model's weights would be rounded, so use format 'native'")
+    return PackedLinear.from_linear(bf16, None if bias is None else bias.to(torch.bfloat16)).to(weight.device)
+
+
+def pack_transformer(model: Transformer) -> Transformer:
+    """A copy of `model` whose projections (and LM head) read packed12 weights; norms stay native."""
+    packed = object.__new__(Transformer)
+    packed.__dict__.update(model.__dict__)
+    layers = []
+    for layer in model.layers:
+        raw = layer.raw
+        layers.append(dataclasses.replace(
+            layer,
+            qkv=_as_callable(_packed(raw["qkv"], raw.get("qkv_bias")), model.dtype),
+            o=_as_callable(_packed(raw["o"]), model.dtype),
+            gate_up=_as_callable(_packed(raw["gate_up"]), model.dtype),
+            down=_as_callable(_packed(raw["down"]), model.dtype),
+        ))
+    packed.layers = layers
+    packed.weight_format = "packed12"
+    packed.lm_head = _as_callable(_packed(model.lm_head_weight), model.dtype)
+    return packed
+
+
+def _as_callable(module: torch.nn.Module, dtype: torch.dtype):
+    return lambda x: module(x).to(dtype)
