@@ -52,6 +52,7 @@ class AgentContext:
     workspace: Path
     tuning_summary: dict[str, Any]
     seed: int = 0
+    tools: Any = None
 
 
 @dataclass

@@ -131,7 +131,7 @@ def _describe(exc: anthropic.APIStatusError) -> str:
 class ClaudeAgent:
     """Proposes candidates with Claude through the `anthropic` SDK (ANTHROPIC_BASE_URL is honoured)."""
 
-    def __init__(self, model: str = "claude-sonnet-4-5", max_tokens: int = 4096,
+    def __init__(self, model: str = "claude-opus-5-5", max_tokens: int = 4096,
                  client_factory: ClientFactory | None = None, name: str = "claude", max_retries: int = 2,
                  timeout: float = 300.0) -> None:
         if client_factory is None:

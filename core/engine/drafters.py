@@ -57,6 +57,21 @@ class Drafter:
         """`paths[i]` are accepted node ids (root excluded) of row rows[i]; `tokens[i]` their tokens + bonus."""
         raise NotImplementedError
 
+    def open(self, max_batch: int, max_len: int) -> None:
+        """Start serving with room for `max_batch` requests and no request admitted yet."""
+        raise NotImplementedError
+
+    def admit(self, prompt: list[int]) -> int:
+        """Add a request in the next free row; returns the row."""
+        raise NotImplementedError
+
+    def move(self, src: int, dst: int) -> None:
+        """Move a request from row `src` to row `dst` (the caller then drops the last row)."""
+        raise NotImplementedError
+
+    def drop_last(self) -> None:
+        raise NotImplementedError
+
 
 class ModelDrafter(Drafter):
     """A small causal LM (or the target's first layers) drafting level by level with tree attention."""
@@ -67,13 +82,31 @@ class ModelDrafter(Drafter):
         self.pending: list[list[int]] = []
         self.fed: list[dict[int, int]] = []
         self.base: list[int] = []
+        self.drafted = False
 
     def reset(self, prompts: list[list[int]], max_len: int) -> None:
-        B = len(prompts)
-        if self.cache is None or self.cache.batch != B or self.cache.max_len < max_len:
-            self.cache = self.model.new_cache(B, max_len)
+        self.open(len(prompts), max_len)
+        for p in prompts:
+            self.admit(p)
+
+    def open(self, max_batch: int, max_len: int) -> None:
+        if self.cache is None or self.cache.batch != max_batch or self.cache.max_len < max_len:
+            self.cache = self.model.new_cache(max_batch, max_len)
         self.cache.reset()
-        self.pending = [list(p) for p in prompts]
+        self.pending = []
+
+    def admit(self, prompt: list[int]) -> int:
+        row = len(self.pending)
+        self.cache.lengths[row] = 0
+        self.pending.append(list(prompt))
+        return row
+
+    def move(self, src: int, dst: int) -> None:
+        self.cache.move_row(src, dst)
+        self.pending[dst] = self.pending[src]
+
+    def drop_last(self) -> None:
+        self.pending.pop()
 
     def _scores(self, logits: torch.Tensor, mode: DraftMode, rows: list[int], positions: list[int]) -> torch.Tensor:
         """Per-node child scores [N, V]: log-probabilities, or seeded perturbed scores."""
@@ -95,8 +128,10 @@ class ModelDrafter(Drafter):
         return idx.tolist(), vals.tolist()
 
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
-        model, cache = self.model, self.cache
-        B = cache.batch
+        model = self.model
+        B = len(self.pending)
+        cache = self.view = self.cache.view(B)
+        self.drafted = True
         dev = model.device
         P = [len(p) for p in self.pending]
         Pm = max(P)
@@ -131,7 +166,7 @@ class ModelDrafter(Drafter):
                 self.fed[b][i] = offset + j
                 anc[b, j, paths[b][j]] = True
                 anc[b, j, offset + j] = True
-        return model.step(toks, self.cache, base, depths, anc.to(dev), offset=offset)
+        return model.step(toks, self.view, base, depths, anc.to(dev), offset=offset)
 
     def _slots_to(self, b: int, trees: list[DraftTree], node: int) -> list[int]:
         """Fed slots of a node's ancestors below the root (the node itself excluded)."""
@@ -238,6 +273,11 @@ class ModelDrafter(Drafter):
         tree_id[b][c] = work[b].add(cand[b][c][3], tree_id[b][parent])
 
     def commit(self, rows: list[int], paths: list[list[int]], tokens: list[list[int]]) -> None:
+        if not self.drafted:
+            for r, toks in zip(rows, tokens):
+                self.pending[r] = self.pending[r] + toks
+            return
+        self.drafted = False
         src, dst = [], []
         for r, path, toks in zip(rows, paths, tokens):
             start = self.base[r]
@@ -262,12 +302,26 @@ class NgramDrafter(Drafter):
         self.index: list[dict[tuple[int, ...], list[int]]] = []
 
     def reset(self, prompts: list[list[int]], max_len: int) -> None:
+        self.open(len(prompts), max_len)
+        for p in prompts:
+            self.admit(p)
+
+    def open(self, max_batch: int, max_len: int) -> None:
         self.context = []
         self.index = []
-        for p in prompts:
-            self.context.append([])
-            self.index.append({})
-            self._extend(len(self.context) - 1, p)
+
+    def admit(self, prompt: list[int]) -> int:
+        self.context.append([])
+        self.index.append({})
+        self._extend(len(self.context) - 1, prompt)
+        return len(self.context) - 1
+
+    def move(self, src: int, dst: int) -> None:
+        self.context[dst], self.index[dst] = self.context[src], self.index[src]
+
+    def drop_last(self) -> None:
+        self.context.pop()
+        self.index.pop()
 
     def _extend(self, row: int, tokens: list[int]) -> None:
         ctx, idx = self.context[row], self.index[row]

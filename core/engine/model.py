@@ -58,6 +58,19 @@ class KVCache:
     def reset(self) -> None:
         self.lengths.zero_()
 
+    def view(self, rows: int) -> "KVCache":
+        """The first `rows` rows as a cache sharing this one's storage (active requests stay packed there)."""
+        view = object.__new__(KVCache)
+        view.k, view.v, view.lengths, view.max_len = self.k[:, :rows], self.v[:, :rows], self.lengths[:rows], self.max_len
+        return view
+
+    def move_row(self, src: int, dst: int) -> None:
+        """Copy one request's keys, values and length to another row (used to keep active rows packed)."""
+        n = int(self.lengths[src])
+        self.k[:, dst, :, :n] = self.k[:, src, :, :n]
+        self.v[:, dst, :, :n] = self.v[:, src, :, :n]
+        self.lengths[dst] = n
+
     def compact(self, rows: list[int], src: list[list[int]], dst_start: list[int]) -> None:
         """Move the slots `src[i]` of row `rows[i]` to consecutive slots from `dst_start[i]` (accepted path)."""
         moves = [(r, s, d) for r, ss, d0 in zip(rows, src, dst_start) for d, s in enumerate(ss, d0) if s != d]

@@ -1,0 +1,280 @@
+"""Step profile of a recipe: where a real run's time goes, and what verifying and drafting cost by shape.
+
+A timed run gives the phase means (draft, verify, commit, host) from the engine's StepStats and the wall
+time outside steps (prefill, cache allocation). Microbenchmarks at a realistic prefix length give the
+verification cost curve (target forward for 1..64 nodes), the drafter's forward cost per width, and real
+`draft()` calls for chains of several depths, whose intercept and slope are the per-call and per-level
+host work on top of the forwards. Prediction (predict.py) composes any recipe's step from these.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from core.engine import Engine, StepStats
+from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
+from core.engine.model import Transformer
+from core.engine.tree import chain_paths
+from core.recipe import Recipe
+
+NODES = (1, 2, 4, 8, 16, 32, 64)
+CHAIN_DEPTHS = (1, 2, 4, 8)
+DYNAMIC_SHAPE = (6, 4, 24)
+PACKED_BITS = 12
+
+
+@dataclass
+class RunStats:
+    """A timed run, one request at a time: outputs, every step's record, per-request wall seconds."""
+
+    tokens: list[list[int]]
+    steps: list[StepStats]
+    seconds: list[float]
+    accepted: list[list[int]]
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(t) for t in self.tokens)
+
+
+@dataclass
+class Profile:
+    """Measured phase costs of one recipe plus the cost curves predict.py needs (ms throughout)."""
+
+    recipe: dict
+    requests: int
+    tokens: int
+    steps: int
+    wall_ms: float
+    phases: dict[str, float]
+    other_ms: float
+    mean_accepted_length: float
+    tokens_per_step: float
+    nodes_per_step: float
+    prompt_len: float
+    context_len: int
+    target_layers: int
+    verify_curve: dict[int, float]
+    drafter: str = ""
+    draft_curve: dict[int, float] = field(default_factory=dict)
+    draft_chain: dict[int, float] = field(default_factory=dict)
+    draft_fixed_ms: float = 0.0
+    draft_level_ms: float = 0.0
+    draft_dynamic: dict[str, float] = field(default_factory=dict)
+    drafter_prefill_ms: float = 0.0
+    bytes: dict[str, int] = field(default_factory=dict)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        """Inverse of to_dict, also after a JSON round trip (curve keys come back as strings)."""
+        data = dict(data)
+        for key in ("verify_curve", "draft_curve", "draft_chain"):
+            data[key] = {int(k): float(v) for k, v in data.get(key, {}).items()}
+        return cls(**data)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def median_ms(fn, device: torch.device, repeats: int) -> float:
+    """Median wall ms of `fn` after one warm-up call (the machine is noisy: medians, never means)."""
+    fn()
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def interpolate(curve: dict[int, float], x: float) -> float:
+    """Piecewise-linear in x between measured points; linear extrapolation beyond the last two."""
+    xs = sorted(curve)
+    if not xs:
+        return 0.0
+    if len(xs) == 1 or x <= xs[0]:
+        return curve[xs[0]]
+    for lo, hi in zip(xs, xs[1:]):
+        if x <= hi:
+            return curve[lo] + (curve[hi] - curve[lo]) * (x - lo) / (hi - lo)
+    lo, hi = xs[-2], xs[-1]
+    return curve[hi] + (curve[hi] - curve[lo]) * (x - hi) / (hi - lo)
+
+
+def timed_run(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], limits: list[int],
+              request_ids: list[int] | None = None) -> RunStats:
+    """Run each request alone (batch 1) after one warm-up; recipe None is plain autoregressive decoding."""
+    ids = request_ids if request_ids is not None else list(range(len(prompts)))
+    spec = recipe is not None
+    engine.generate([prompts[0]], [min(limits[0], 8)], recipe, [ids[0]], speculative=spec)
+    run = RunStats([], [], [], [])
+    for prompt, limit, rid in zip(prompts, limits, ids):
+        result = engine.generate([prompt], [limit], recipe, [rid], speculative=spec)
+        run.tokens.append(result.tokens[0])
+        run.steps.extend(result.steps)
+        run.seconds.append(result.seconds)
+        run.accepted.append([a for s in result.steps for a in s.accepted])
+    return run
+
+
+def weight_bytes(model: Transformer, packed: bool = False) -> int:
+    """Parameter bytes of a model (tied embeddings once); packed: 2-D weights at 12 bits per value."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(t: torch.Tensor | None, matrix: bool = False) -> None:
+        nonlocal total
+        if t is None or id(t) in seen:
+            return
+        seen.add(id(t))
+        nbytes = t.numel() * t.element_size()
+        if packed and matrix and t.element_size() == 2:
+            nbytes = t.numel() * PACKED_BITS // 8
+        total += nbytes
+
+    c = model.cfg
+    add(model.embed)
+    add(model.norm)
+    add(model.lm_head_weight, matrix=True)
+    for layer in model.layers:
+        for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm):
+            add(t)
+        for t in layer.raw.values():
+            add(t, matrix=True)
+        if c.attention_bias:
+            total += (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * model.embed.element_size()
+    return total
+
+
+def kv_bytes(model: Transformer, context: int) -> int:
+    """Keys and values a step reads at `context` tokens: layers * 2 * kv_heads * head_dim * bytes * context."""
+    c = model.cfg
+    return model.num_layers * 2 * c.num_kv_heads * c.head_dim * model.embed.element_size() * context
+
+
+def _filled_cache(model: Transformer, context: int, extra: int):
+    dev = model.device
+    cache = model.new_cache(1, context + extra + 2)
+    toks = torch.randint(0, model.cfg.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    causal = torch.tril(torch.ones(context, context, dtype=torch.bool, device=dev))[None]
+    with torch.inference_mode():
+        model.step(toks.to(dev), cache, cache.lengths, torch.arange(context, device=dev)[None], causal,
+                   logits_at=torch.zeros(1, 0, dtype=torch.long, device=dev))
+    cache.lengths.fill_(context)
+    return cache
+
+
+def forward_curve(model: Transformer, context: int, widths: tuple[int, ...], repeats: int) -> dict[int, float]:
+    """Median ms of one forward of w tree nodes (a chain mask) on a `context`-token prefix, per width."""
+    dev = model.device
+    cache = _filled_cache(model, context, max(widths))
+    curve = {}
+    with torch.inference_mode():
+        for w in widths:
+            toks = torch.randint(0, model.cfg.vocab_size, (1, w), generator=torch.Generator().manual_seed(w)).to(dev)
+            depths = torch.arange(w, device=dev)[None]
+            anc = None if w == 1 else torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))[None]
+            curve[w] = median_ms(lambda: model.step(toks, cache, cache.lengths, depths, anc), dev, repeats)
+    return curve
+
+
+def draft_calls(model: Transformer, prompt: list[int], repeats: int,
+                dynamic: tuple[int, int, int]) -> tuple[dict[int, float], float]:
+    """Median ms of real draft() calls: chains of CHAIN_DEPTHS, and one dynamic (depth, topk, budget) tree."""
+    drafter = ModelDrafter(model)
+    mode = DraftMode()
+    drafter.reset([prompt], len(prompt) + 2 * max(CHAIN_DEPTHS) + 2 * dynamic[2] + 8)
+    with torch.inference_mode():
+        tree = drafter.draft(TreeSpec("static", chain_paths(1)), mode, [True])[0]
+        drafter.commit([0], [[]], [[tree.tokens[-1]]])
+        chain = {d: median_ms(lambda: drafter.draft(TreeSpec("static", chain_paths(d)), mode, [True]), model.device,
+                              repeats) for d in CHAIN_DEPTHS}
+        depth, topk, budget = dynamic
+        spec = TreeSpec("dynamic", depth=depth, topk=topk, budget=budget)
+        dyn = median_ms(lambda: drafter.draft(spec, mode, [True]), model.device, repeats)
+    return chain, dyn
+
+
+def _fit(points: dict[int, float]) -> tuple[float, float]:
+    """Theil-Sen intercept and slope of ms against depth (robust to one noisy point on a shared machine)."""
+    xs = sorted(points)
+    slopes = [(points[b] - points[a]) / (b - a) for i, a in enumerate(xs) for b in xs[i + 1:]]
+    slope = statistics.median(slopes) if slopes else 0.0
+    return statistics.median(points[x] - slope * x for x in xs), slope
+
+
+def draft_model(engine: Engine, recipe: Recipe) -> tuple[str, Transformer | None]:
+    """The drafter network the profile measures: the recipe's, else the deployment's drafter checkpoint."""
+    target, drafter = engine.models_for(recipe)
+    if recipe.draft.method == "early_exit":
+        layers = recipe.draft.exit_layer or target.cfg.num_layers // 2
+        return f"early_exit:{layers}", target.truncated(layers)
+    if drafter is not None:
+        return "model", drafter
+    return "", None
+
+
+def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
+            run: RunStats | None = None, request_ids: list[int] | None = None, repeats: int = 7) -> Profile:
+    """Profile `recipe` on the requests (timing them unless `run` is given) and measure the cost curves."""
+    run = run or timed_run(engine, recipe, prompts, limits, request_ids)
+    target, _ = engine.models_for(recipe)
+    steps = run.steps
+    n = max(len(steps), 1)
+    phases = {k: sum(getattr(s, k) for s in steps) / n for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms")}
+    wall_ms = 1e3 * sum(run.seconds)
+    accepted = [a for acc in run.accepted for a in acc]
+    prompt_len = statistics.fmean(len(p) for p in prompts)
+    out_len = statistics.fmean(len(t) for t in run.tokens) if run.tokens else 0.0
+    context = max(1, round(prompt_len + out_len / 2))
+    context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
+    widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
+    prof = Profile(
+        recipe=recipe.to_dict(),
+        requests=len(run.tokens),
+        tokens=run.new_tokens,
+        steps=len(steps),
+        wall_ms=wall_ms,
+        phases=phases,
+        other_ms=wall_ms - sum(phases.values()) * len(steps),
+        mean_accepted_length=sum(accepted) / len(accepted) if accepted else 0.0,
+        tokens_per_step=run.new_tokens / n,
+        nodes_per_step=sum(s.nodes for s in steps) / n,
+        prompt_len=prompt_len,
+        context_len=context,
+        target_layers=target.num_layers,
+        verify_curve=forward_curve(target, context, NODES, repeats),
+    )
+    packed = recipe.weights.format == "packed12"
+    weights = weight_bytes(target, packed)
+    kv = kv_bytes(target, context)
+    prof.bytes = {"weights": weights, "kv": kv, "total": weights + kv, "context_len": context}
+    kind, model = draft_model(engine, recipe)
+    if model is not None:
+        prof.drafter = kind
+        prof.draft_curve = forward_curve(model, context, widths, repeats)
+        prompt = max(prompts, key=len)[: max(2, round(prompt_len))]
+        dyn_shape = ((recipe.tree.depth, recipe.tree.topk, recipe.tree.budget) if recipe.tree.policy == "dynamic"
+                     else DYNAMIC_SHAPE)
+        prof.draft_chain, dyn_ms = draft_calls(model, prompt, repeats, dyn_shape)
+        fixed, per_level = _fit(prof.draft_chain)
+        prof.draft_fixed_ms = fixed
+        prof.draft_level_ms = per_level - prof.draft_curve[1]
+        depth, topk, budget = dyn_shape
+        modelled = fixed + depth * prof.draft_level_ms + prof.draft_curve[1] + (depth - 1) * interpolate(
+            prof.draft_curve, topk)
+        prof.draft_dynamic = {"depth": depth, "topk": topk, "budget": budget, "ms": dyn_ms,
+                              "extra_ms_per_level": (dyn_ms - modelled) / depth}
+        prof.drafter_prefill_ms = forward_curve(model, 1, (max(1, round(prompt_len)),), 3)[max(1, round(prompt_len))]
+    return prof

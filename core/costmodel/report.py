@@ -1,0 +1,146 @@
+"""Ceiling and gap breakdown: where each millisecond per output token goes, against a physical floor.
+
+floor verify step  = bytes a verify step must read (target weights + KV at the profile's context) /
+                     measured copy bandwidth;
+ceiling (ms/token) = floor / L_best, L_best the best replayed accepted length (best tree within the
+                     largest budget, or the incumbent's if higher).
+With T output tokens over S steps (L_inc = T / S, the incumbent's measured tokens per step) and phase totals
+from the timed run, the gaps in ms per output token are
+  acceptance   floor / L_inc - floor / L_best
+  verify       (verify - S * floor) / T          (verify work beyond the floor)
+  drafting     draft / T
+  host         (commit + host + wall outside steps: prefill, allocation) / T - batching
+  batching     0 at batch 1, or what batched measurements attribute to batching
+and they add up to measured - ceiling exactly, by construction.
+"""
+
+from __future__ import annotations
+
+from core.costmodel import replay as rp
+from core.costmodel.predict import predict, predict_detail
+from core.costmodel.probe import probe
+from core.costmodel.profile import Profile, profile, timed_run
+from core.engine import Engine
+from core.engine.decode import Verification
+from core.engine.engine import tree_spec
+from core.engine.model import DTYPES
+from core.engine.tree import chain_paths
+from core.recipe import Recipe
+
+BUDGETS = (4, 8, 16, 32, 64)
+CHAIN_DEPTHS = tuple(range(1, 9))
+
+
+def dtype_name(engine: Engine) -> str:
+    return next(k for k, v in DTYPES.items() if v == engine.target.dtype)
+
+
+def replay_for(engine: Engine, recipe: Recipe, traces: list[rp.Trace], made: dict | None = None) -> rp.Replay:
+    """The replay of the recipe's drafter on the recorded traces (memoised in `made` per drafter)."""
+    made = {} if made is None else made
+    target, drafter = engine.models_for(recipe)
+    d = recipe.draft
+    layers = d.exit_layer or target.cfg.num_layers // 2
+    key = {"ngram": f"ngram:{d.ngram_max}", "early_exit": f"early_exit:{layers}"}.get(d.method, "model")
+    if key not in made:
+        if d.method == "ngram":
+            made[key] = rp.ngram_replay(traces, d.ngram_max)
+        else:
+            model = target.truncated(layers) if d.method == "early_exit" else drafter
+            if model is None:
+                raise ValueError("draft.method = 'model' needs a drafter checkpoint to replay")
+            made[key] = rp.teacher_force(model, _copy(traces), d.method, _verification(recipe))
+    return made[key]
+
+
+def _verification(recipe: Recipe) -> Verification:
+    v = recipe.verify
+    return Verification(v.sampling, v.temperature, v.top_p, v.seed) if v.sampling == "seeded" else Verification()
+
+
+def _copy(traces: list[rp.Trace]) -> list[rp.Trace]:
+    return [rp.Trace(list(t.tokens), t.prompt_len, t.n_out, t.request_id) for t in traces]
+
+
+def _depth(recipe: Recipe) -> int:
+    spec = tree_spec(recipe)
+    return max(spec.depth if spec.kind == "dynamic" else 0, max((len(p) for p in spec.paths or []), default=0))
+
+
+def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_token: float = 0.0) -> dict:
+    """Measured and ceiling ms/token and the gap components, which sum to their difference."""
+    T, S = prof.tokens, prof.steps
+    totals = {k: v * S for k, v in prof.phases.items()}
+    measured = prof.wall_ms / T
+    ceiling = floor_ms / best_length
+    outside = prof.wall_ms - sum(totals.values())
+    parts = {
+        "acceptance": floor_ms * S / T - ceiling,
+        "verify": (totals["verify_ms"] - S * floor_ms) / T,
+        "drafting": totals["draft_ms"] / T,
+        "host": (totals["commit_ms"] + totals["host_ms"] + outside) / T - batching_ms_per_token,
+        "batching": batching_ms_per_token,
+    }
+    largest = max(parts, key=parts.get)
+    return {
+        "measured_ms_per_token": measured,
+        "ceiling_ms_per_token": ceiling,
+        "gaps": [{"component": k, "ms_per_token": v} for k, v in parts.items()],
+        "largest_gap": largest,
+    }
+
+
+def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
+            request_ids: list[int] | None = None, budgets: tuple[int, ...] = BUDGETS,
+            max_depth: int = rp.DEFAULT_MAX_DEPTH, probe_result: dict | None = None,
+            batching_ms_per_token: float = 0.0, repeats: int = 7, candidates: tuple[Recipe, ...] = ()) -> dict:
+    """Profile, replay and bound `recipe` on the requests; the JSON-ready cost report of a round.
+
+    `candidates` are predicted too (key "predictions"), each on its own drafter's replay of the same outputs.
+    """
+    hw = probe_result or probe(str(engine.device), dtype_name(engine))
+    run = timed_run(engine, recipe, prompts, limits, request_ids)
+    prof = profile(engine, recipe, prompts, limits, run, request_ids, repeats)
+    target, drafter = engine.models_for(recipe)
+    extra = max(max_depth, *(_depth(r) for r in (recipe, *candidates))) + 2
+    traces = rp.record(target, prompts, limits, extra, _verification(recipe), request_ids)
+    made: dict = {}
+    own = replay_for(engine, recipe, traces, made)
+    search = replay_for(engine, recipe.replace(draft={"method": "model"}), traces, made) if drafter else own
+    chain = {k: rp.simulate(search, chain_paths(k)) for k in CHAIN_DEPTHS}
+    best = {b: rp.simulate(search, rp.best_tree(search, b, max_depth)) for b in budgets}
+    incumbent = rp.run(own, tree_spec(recipe)).mean_accepted
+    best_length = max([incumbent, *best.values(), *chain.values()])
+    floor_ms = 1e3 * prof.bytes["total"] / (hw["bandwidth_gb_s"] * 1e9)
+    report = gaps(prof, floor_ms, best_length, batching_ms_per_token)
+    measured_tps = 1e3 / report["measured_ms_per_token"]
+    ceiling_tps = 1e3 / report["ceiling_ms_per_token"]
+    predictions = []
+    for cand in candidates:
+        detail = predict_detail(prof, replay_for(engine, cand, traces, made), cand)
+        predictions.append({"recipe": cand.name, "predicted_tokens_per_s": detail["tokens_per_s"],
+                            "mean_accepted_length": detail["mean_accepted_length"],
+                            "approximations": detail["approximations"]})
+    return {
+        "recipe": recipe.name,
+        "requests": len(prompts),
+        "tokens": prof.tokens,
+        "measured_tokens_per_s": measured_tps,
+        "ceiling_tokens_per_s": ceiling_tps,
+        "predicted_tokens_per_s": predict(prof, own, recipe),
+        "above_ceiling": measured_tps > ceiling_tps,
+        "floor_verify_ms": floor_ms,
+        **report,
+        "profile": prof.to_dict(),
+        "replay": {
+            "drafter": search.method,
+            "chain": chain,
+            "best_tree": best,
+            "best_tree_paths": rp.best_tree(search, max(budgets), max_depth),
+            "incumbent": incumbent,
+            "measured_incumbent": prof.mean_accepted_length,
+            "best_length": best_length,
+        },
+        "predictions": predictions,
+        "probe": hw,
+    }

@@ -1,0 +1,265 @@
+"""Continuous batching with batch-aware speculation: requests join and leave between steps.
+
+Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
+next queued prompt, or by the last active row), so every forward runs on exactly the active batch.
+Batching policies decide each row's draft depth per step:
+  fixed     the recipe's tree for every row (stock behaviour);
+  budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
+            size (down to 0: no speculation where it stops paying);
+  allocate  a shared per-step node budget spread over rows by their expected acceptance;
+  cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from core.engine.decode import GenerateResult, GenerationError, StepStats, Verification, _accept, _choices, _sync
+from core.engine.drafters import Drafter, DraftMode, TreeSpec
+from core.engine.model import Transformer
+from core.engine.tree import DraftTree, batch_tensors, chain_paths
+
+MAX_DEPTH = 8
+PRIOR_ACCEPTANCE = 0.6
+
+
+@dataclass
+class CostTable:
+    """Measured ms of a target forward of `rows x tokens` and of a drafter forward of `rows x 1`."""
+
+    verify: dict[tuple[int, int], float] = field(default_factory=dict)
+    draft: dict[int, float] = field(default_factory=dict)
+
+    def verify_ms(self, rows: int, tokens: int) -> float:
+        """Measured cost, or for an unmeasured batch size the nearest measured one scaled by rows."""
+        if (rows, tokens) in self.verify:
+            return self.verify[(rows, tokens)]
+        measured_rows = sorted({r for r, _ in self.verify})
+        near = min(measured_rows, key=lambda r: abs(r - rows))
+        t = min(tokens, max(k for r, k in self.verify if r == near))
+        return self.verify[(near, t)] * max(rows, 1) / near
+
+
+def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes: list[int], max_depth: int = MAX_DEPTH,
+                  context: int = 128, repeats: int = 5) -> CostTable:
+    """Time forwards at every (batch size, 1..max_depth+1 tokens) so policies can price a step."""
+    table = CostTable()
+
+    def timed(model: Transformer, rows: int, tokens: int) -> float:
+        cache = model.new_cache(rows, context + tokens + 1)
+        cache.lengths.fill_(context)
+        toks = torch.zeros(rows, tokens, dtype=torch.long, device=model.device)
+        depths = torch.arange(tokens, device=model.device).expand(rows, tokens)
+        anc = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=model.device)).expand(rows, tokens, tokens)
+        samples = []
+        with torch.inference_mode():
+            for _ in range(repeats + 1):
+                _sync(model.device)
+                t0 = time.perf_counter()
+                model.step(toks, cache, cache.lengths, depths, anc)
+                _sync(model.device)
+                samples.append(time.perf_counter() - t0)
+        return sorted(samples[1:])[len(samples[1:]) // 2] * 1e3
+
+    for rows in batch_sizes:
+        for tokens in range(1, max_depth + 2):
+            table.verify[(rows, tokens)] = timed(target, rows, tokens)
+        if drafter is not None:
+            table.draft[rows] = timed(drafter, rows, 1)
+    return table
+
+
+def expected_accepted(alpha: float, depth: int) -> float:
+    """Tokens per step (bonus included) of a chain of `depth` with per-token acceptance `alpha`."""
+    return sum(alpha ** k for k in range(depth + 1))
+
+
+def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH) -> int:
+    """Depth maximising tokens per ms at this batch size (0 = plain decoding)."""
+    def rate(d: int) -> float:
+        cost = table.verify_ms(rows, d + 1) + d * table.draft.get(rows, 0.0)
+        return expected_accepted(alpha, d) / cost
+    return max(range(max_depth + 1), key=rate)
+
+
+def allocate(alphas: list[float], nodes: int, max_depth: int = MAX_DEPTH) -> list[int]:
+    """Spread `nodes` draft tokens over rows greedily by marginal expected acceptance alpha^(d+1)."""
+    depths = [0] * len(alphas)
+    for _ in range(max(0, nodes)):
+        gains = [a ** (d + 1) if d < max_depth else -1.0 for a, d in zip(alphas, depths)]
+        best = max(range(len(alphas)), key=lambda i: gains[i])
+        if gains[best] <= 0:
+            break
+        depths[best] += 1
+    return depths
+
+
+def bend(table: CostTable, rows: int, max_depth: int = MAX_DEPTH) -> int:
+    """Verified tokens per step where the cost curve bends: the widest step costing <= 1.5x one token."""
+    one = table.verify_ms(rows, 1)
+    fits = [t for t in range(1, max_depth + 2) if table.verify_ms(rows, t) <= 1.5 * one]
+    return rows * max(fits)
+
+
+@dataclass
+class Policy:
+    name: str = "fixed"
+    spec: TreeSpec | None = None
+    table: CostTable | None = None
+    node_budget: int = 0
+    token_cap: int = 0
+
+    def depths(self, alphas: list[float]) -> list[int] | None:
+        """Per-row chain depths for this step, or None to use `spec` unchanged."""
+        n = len(alphas)
+        if self.name == "fixed" or self.table is None:
+            return None
+        mean = sum(alphas) / n
+        if self.name == "budget":
+            return [best_uniform_depth(self.table, n, mean)] * n
+        if self.name == "allocate":
+            nodes = self.node_budget or n * best_uniform_depth(self.table, n, mean)
+            return allocate(alphas, nodes)
+        cap = self.token_cap or bend(self.table, n)
+        uniform = best_uniform_depth(self.table, n, mean)
+        return allocate(alphas, min(cap - n, n * max(uniform, 1)))
+
+
+def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]], limits: list[int],
+          spec: TreeSpec | None, policy: Policy | None = None, max_batch: int = 8,
+          verification: Verification | None = None, request_ids: list[int] | None = None) -> GenerateResult:
+    """Serve every request with at most `max_batch` in flight; outputs come back in request order."""
+    ver = verification or Verification()
+    if ver.sampling not in ("greedy", "seeded"):
+        raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
+    policy = policy or Policy()
+    ids = request_ids if request_ids is not None else list(range(len(prompts)))
+    ctx = target.cfg.max_position_embeddings
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        if not p or len(p) + n > ctx:
+            raise GenerationError(f"request {i}: prompt of {len(p)} tokens + max_new_tokens {n} does not fit the "
+                                  f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
+    speculative = drafter is not None and spec is not None
+    nodes = max(spec.max_nodes, MAX_DEPTH) if speculative else 0
+    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + 2 * nodes + 4
+    dev = target.device
+    eos = set(target.cfg.eos_token_ids)
+    cache = target.new_cache(max_batch, max_len)
+    if speculative:
+        drafter.open(max_batch, max_len + nodes + 2)
+    queue = list(range(len(prompts)))
+    rows: list[int] = []
+    lengths: list[int] = []
+    roots: list[int] = []
+    alphas: list[float] = []
+    outputs: list[list[int]] = [[] for _ in prompts]
+    steps: list[StepStats] = []
+    chain_specs: dict[int, TreeSpec] = {}
+    start = time.perf_counter()
+    with torch.inference_mode():
+        while queue or rows:
+            t0 = time.perf_counter()
+            while queue and len(rows) < max_batch:
+                req = queue.pop(0)
+                row = len(rows)
+                _prefill(target, cache, row, prompts[req])
+                if speculative:
+                    drafter.admit(prompts[req])
+                rows.append(req)
+                lengths.append(len(prompts[req]) - 1)
+                roots.append(prompts[req][-1])
+                alphas.append(PRIOR_ACCEPTANCE)
+            n = len(rows)
+            view = cache.view(n)
+            req_ids = torch.tensor([ids[r] for r in rows])
+            depths = policy.depths(alphas) if speculative else None
+            t1 = time.perf_counter()
+            if not speculative or (depths is not None and max(depths) == 0):
+                trees = [DraftTree.root(r) for r in roots]
+            else:
+                step_spec = spec
+                if depths is not None:
+                    step_spec = chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
+                mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, req_ids)
+                trees = drafter.draft(step_spec, mode, [True] * n)
+                if depths is not None:
+                    trees = [_truncate(t, d) for t, d in zip(trees, depths)]
+            _sync(dev)
+            t2 = time.perf_counter()
+            tokens, tdepths, anc = batch_tensors(trees, dev)
+            T = tokens.shape[1]
+            logits = target.step(tokens, view, view.lengths, tdepths, None if n == 1 and T == 1 else anc)
+            choice = _choices(logits, trees, ver, req_ids, lengths)
+            _sync(dev)
+            t3 = time.perf_counter()
+            paths, emitted, accepted = [], [], []
+            for b in range(n):
+                path, bonus = _accept(trees[b], choice[b])
+                paths.append(path)
+                emitted.append([trees[b].tokens[i] for i in path] + [bonus])
+                accepted.append(len(path) + 1)
+                drafted = max(t for t in trees[b].depths)
+                if drafted:
+                    alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, len(path) / drafted))
+            view.compact(list(range(n)), [[lengths[b] + i for i in p] for b, p in enumerate(paths)],
+                         [lengths[b] + 1 for b in range(n)])
+            for b in range(n):
+                lengths[b] += len(paths[b]) + 1
+                roots[b] = emitted[b][-1]
+            view.lengths.copy_(torch.tensor(lengths, device=dev))
+            if speculative:
+                drafter.commit(list(range(n)), paths, emitted)
+            _sync(dev)
+            t4 = time.perf_counter()
+            done = []
+            for b in range(n):
+                out = outputs[rows[b]]
+                for t in emitted[b]:
+                    out.append(t)
+                    if t in eos or len(out) >= limits[rows[b]]:
+                        done.append(b)
+                        break
+            for b in sorted(done, reverse=True):
+                last = len(rows) - 1
+                if b != last:
+                    cache.move_row(last, b)
+                    if speculative:
+                        drafter.move(last, b)
+                    rows[b], lengths[b], roots[b], alphas[b] = rows[last], lengths[last], roots[last], alphas[last]
+                rows.pop()
+                lengths.pop()
+                roots.pop()
+                alphas.pop()
+                if speculative:
+                    drafter.drop_last()
+            t5 = time.perf_counter()
+            steps.append(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t1 - t0 + t5 - t4) * 1e3,
+                                   sum(len(t) for t in trees), accepted))
+    return GenerateResult(outputs, steps, time.perf_counter() - start)
+
+
+def _prefill(target: Transformer, cache, row: int, prompt: list[int]) -> None:
+    """Prefill one request's prompt (all but its last token) into row `row` while others wait."""
+    pre = prompt[:-1]
+    row_cache = object.__new__(type(cache))
+    row_cache.k, row_cache.v = cache.k[:, row:row + 1], cache.v[:, row:row + 1]
+    row_cache.lengths, row_cache.max_len = cache.lengths[row:row + 1], cache.max_len
+    row_cache.lengths.zero_()
+    if pre:
+        n = len(pre)
+        dev = target.device
+        target.step(torch.tensor([pre], device=dev), row_cache, row_cache.lengths, torch.arange(n, device=dev)[None],
+                    torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None],
+                    logits_at=torch.zeros(1, 0, dtype=torch.long, device=dev))
+    row_cache.lengths.fill_(len(pre))
+
+
+def _truncate(tree: DraftTree, depth: int) -> DraftTree:
+    """Keep only the nodes of a drafted tree within `depth` (parents precede children, so a prefix)."""
+    keep = [i for i in range(len(tree)) if tree.depths[i] <= depth]
+    new = {old: j for j, old in enumerate(keep)}
+    return DraftTree([tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
+                     [tree.depths[i] for i in keep], [tree.q[i] for i in keep])

@@ -1,0 +1,104 @@
+"""What a run prepares once: tokenised tuning and held-out requests, the forcing reference, the in-process
+engine for the cost model (trusted code only), and the tools agents may ask."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from core.deployment import Deployment
+from core.judge import JudgeRequest
+from core.recipe import Recipe
+
+
+@dataclass
+class RunContext:
+    deployment: Deployment
+    engine: Any
+    reference: Any
+    eos: list[int]
+    tuning: list[JudgeRequest]
+    heldout: list[JudgeRequest]
+    ar_tokens_per_s: float = 0.0
+    tools: Any = None
+    tuning_summary: dict = field(default_factory=dict)
+    _tools_factory: Callable | None = None
+
+    def force(self, requests: list[JudgeRequest], outputs: list[list[int]], recipe: Recipe) -> dict:
+        """Token forcing of `outputs` against the transformers reference (runs in the judge's process)."""
+        from core.forcing import _verification, force
+
+        result = force(self.reference, [r.prompt for r in requests], outputs, [r.max_new_tokens for r in requests],
+                       _verification(recipe), [r.index for r in requests], self.eos)
+        return result.to_dict()
+
+    def analyse(self, recipe: Recipe) -> dict:
+        """The round's cost report for the incumbent on the tuning requests; refreshes the agents' tools."""
+        from core.costmodel.report import analyse
+
+        prompts = [r.prompt for r in self.tuning]
+        limits = [r.max_new_tokens for r in self.tuning]
+        report = analyse(self.engine, _materialised(recipe), prompts, limits, [r.index for r in self.tuning])
+        if self._tools_factory is not None:
+            self.tools = self._tools_factory(report, recipe)
+        return report
+
+
+def _materialised(recipe: Recipe) -> Recipe:
+    """Plugin tree policies are candidate code: the loop's process never imports them, so the cost model
+    profiles such an incumbent as a depth-matched chain."""
+    if recipe.tree.policy.startswith("plugin:"):
+        return recipe.replace(tree={"policy": "chain"})
+    return recipe
+
+
+def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tokens: int | None = None,
+            seed: int = 0) -> RunContext:
+    """Load everything a run needs once; bad paths and files fail here with one clear line."""
+    from transformers import AutoTokenizer
+
+    from core.costmodel.profile import timed_run
+    from core.engine import Engine
+    from core.forcing import load_reference
+    from core.workload import encode, load, split
+
+    deployment.apply_threads()
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
+    requests = load(deployment.workload)
+    index = {r.id: i for i, r in enumerate(requests)}
+
+    def prepared(which: str) -> list[JudgeRequest]:
+        chosen = split(requests, which, seed)[: max_requests or None]
+        return [JudgeRequest(r.id, index[r.id], encode(tokenizer, r), max_new_tokens or r.max_new_tokens)
+                for r in chosen]
+
+    tuning, heldout = prepared("tuning"), prepared("heldout")
+    ctx_limit = engine.target.cfg.max_position_embeddings
+    for r in tuning + heldout:
+        if len(r.prompt) + r.max_new_tokens > ctx_limit:
+            raise ValueError(f"request {r.id}: prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} "
+                             f"exceeds the model's context of {ctx_limit}; shorten it or lower --max-new-tokens")
+    reference = load_reference(deployment.target, "float32", deployment.device)
+    ar = timed_run(engine, None, [r.prompt for r in tuning], [r.max_new_tokens for r in tuning],
+                   [r.index for r in tuning])
+    ar_tps = ar.new_tokens / sum(ar.seconds) if sum(ar.seconds) > 0 else 0.0
+    summary = {"requests": len(tuning), "mean_prompt_tokens": sum(len(r.prompt) for r in tuning) / max(1, len(tuning)),
+               "max_new_tokens": max((r.max_new_tokens for r in tuning), default=0),
+               "ar_tokens_per_s": ar_tps}
+    ctx = RunContext(deployment, engine, reference, engine.target.cfg.eos_token_ids, tuning, heldout, ar_tps,
+                     tuning_summary=summary)
+    ctx._tools_factory = _tools_factory(ctx)
+    return ctx
+
+
+def _tools_factory(ctx: RunContext) -> Callable | None:
+    try:
+        from core.costmodel.tools import CostTools
+    except ImportError:
+        return None
+
+    def make(report: dict, recipe: Recipe):
+        return CostTools.from_report(ctx.engine, recipe, report, [r.prompt for r in ctx.tuning],
+                                     [r.max_new_tokens for r in ctx.tuning], [r.index for r in ctx.tuning])
+    return make

@@ -1,0 +1,177 @@
+"""Cost model: replay equals real runs, tree search is monotone, gaps add up, predictions rank recipes."""
+
+import math
+
+import pytest
+import torch
+
+from core.cli import build_parser
+from core.costmodel import replay as rp
+from core.costmodel import trees
+from core.costmodel.predict import predict, predict_detail
+from core.costmodel.probe import probe
+from core.costmodel.profile import Profile, profile
+from core.costmodel.report import analyse
+from core.engine import Engine, tree_spec
+from core.engine.decode import Verification
+from core.engine.tree import chain_paths, static_prefixes
+from core.recipe import Recipe, builtin
+
+LIMITS = [26, 17, 22, 30]
+FAKE_PROBE = {"bandwidth_gb_s": 20.0, "matmul_tflops": 0.1}
+
+
+def prompts(n=4, vocab=101, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in [5, 12, 3, 8][:n]:
+        base = torch.randint(0, vocab, (length,), generator=g).tolist()
+        out.append(base + base[: length // 2])
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """One intra-op thread: on a small shared CPU two threads spin against each other (20x slower)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_pair):
+    target_dir, drafter_dir, _ = tiny_pair
+    return Engine.load(target_dir, drafter_dir)
+
+
+@pytest.fixture(scope="module")
+def traces(engine):
+    return rp.record(engine.target, prompts(), LIMITS, extra=12)
+
+
+@pytest.fixture(scope="module")
+def model_replay(engine, traces):
+    return rp.teacher_force(engine.drafter_model, traces)
+
+
+def measured_steps(engine, recipe):
+    runs = [engine.generate([p], [n], recipe, [i]) for i, (p, n) in enumerate(zip(prompts(), LIMITS))]
+    return [[a for s in r.steps for a in s.accepted] for r in runs]
+
+
+@pytest.mark.parametrize("tree", [{"policy": "chain", "depth": 4},
+                                  {"policy": "static", "paths": [[0, 0, 0], [0, 1], [1, 0], [2]]}])
+def test_replay_equals_greedy_runs_step_by_step(engine, model_replay, tree):
+    recipe = Recipe.from_dict({"tree": tree})
+    measured = measured_steps(engine, recipe)
+    sim = rp.run(model_replay, tree_spec(recipe))
+    assert sim.accepted == measured
+    flat = [a for steps in measured for a in steps]
+    assert rp.simulate(model_replay, tree_spec(recipe).paths) == sum(flat) / len(flat)
+    assert 1.0 < sim.mean_accepted < 4.0
+
+
+def test_ngram_replay_equals_runs(engine, traces):
+    recipe = Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6}})
+    assert rp.run(rp.ngram_replay(traces, 3), tree_spec(recipe)).accepted == measured_steps(engine, recipe)
+
+
+def test_seeded_replay_equals_runs(engine):
+    v = {"sampling": "seeded", "temperature": 0.8, "top_p": 0.9, "seed": 7}
+    ver = Verification(**v)
+    replay = rp.teacher_force(engine.drafter_model, rp.record(engine.target, prompts(), LIMITS, 8, ver), "model", ver)
+    recipe = Recipe.from_dict({"tree": {"policy": "chain", "depth": 3}, "verify": v})
+    assert rp.run(replay, tree_spec(recipe)).accepted == measured_steps(engine, recipe)
+
+
+def test_best_tree_monotone_and_not_below_chain(engine, model_replay):
+    lengths = []
+    for budget in range(1, 17):
+        paths = rp.best_tree(model_replay, budget, max_depth=6)
+        assert len(static_prefixes(paths)) <= budget
+        assert max(len(p) for p in paths) <= 6
+        lengths.append(rp.simulate(model_replay, paths))
+        if budget <= 6:
+            assert lengths[-1] >= rp.simulate(model_replay, chain_paths(budget))
+    assert all(b >= a for a, b in zip(lengths, lengths[1:]))
+    assert lengths[-1] > rp.simulate(model_replay, chain_paths(6))
+    paths = rp.best_tree(model_replay, 8, max_depth=6)
+    measured = measured_steps(engine, Recipe.from_dict({"tree": {"policy": "static", "paths": paths}}))
+    assert rp.run(model_replay, paths).accepted == measured
+
+
+def test_sequoia_is_optimal_under_its_model():
+    freq = [0.45, 0.2, 0.1, 0.05, 0.03]
+    dp = trees.sequoia(freq, 12, 4)
+    greedy = trees.grow_greedy(freq, 12, 4)
+    for n in (1, 4, 8, 12):
+        assert len(dp[n]) <= n and len(set(dp[n])) == len(dp[n])
+        assert all(node[:-1] in set(dp[n]) | {()} for node in dp[n])
+        assert trees.expected_length(freq, dp[n]) >= trees.expected_length(freq, greedy[:n]) - 1e-12
+    assert dp[1] == [(0,)]
+    assert trees.expected_length(freq, dp[4]) == pytest.approx(1 + 0.45 + 0.45 ** 2 + 0.2 + 0.1)
+
+
+def test_gaps_add_up(engine):
+    recipe = Recipe.from_dict({"tree": {"policy": "chain", "depth": 4}})
+    candidates = (builtin("ngram"), builtin("early_exit"), builtin("dynamic"))
+    report = analyse(engine, recipe, prompts(3), LIMITS[:3], budgets=(4, 8, 16), probe_result=FAKE_PROBE, repeats=3,
+                     candidates=candidates)
+    parts = {g["component"]: g["ms_per_token"] for g in report["gaps"]}
+    assert set(parts) == {"acceptance", "verify", "drafting", "host", "batching"}
+    diff = report["measured_ms_per_token"] - report["ceiling_ms_per_token"]
+    assert math.isclose(sum(parts.values()), diff, rel_tol=1e-9)
+    assert report["largest_gap"] == max(parts, key=parts.get)
+    assert parts["batching"] == 0.0
+    assert report["ceiling_tokens_per_s"] > report["measured_tokens_per_s"] > 0
+    assert report["replay"]["incumbent"] == report["replay"]["measured_incumbent"]
+    assert sorted(report["replay"]["chain"]) == list(range(1, 9))
+    best = report["replay"]["best_tree"]
+    assert best[4] <= best[8] <= best[16] and best[16] >= report["replay"]["chain"][4]
+    prof = report["profile"]
+    assert sorted(prof["verify_curve"]) == [1, 2, 4, 8, 16, 32, 64]
+    assert prof["bytes"]["total"] == prof["bytes"]["weights"] + prof["bytes"]["kv"] > 0
+    assert 0 < report["predicted_tokens_per_s"] < math.inf
+    assert [p["recipe"] for p in report["predictions"]] == ["ngram", "early_exit", "dynamic"]
+    assert all(0 < p["predicted_tokens_per_s"] < math.inf for p in report["predictions"])
+
+
+def test_prediction_ranks_a_deeper_self_drafted_chain_higher(tiny_pair):
+    target_dir, _, _ = tiny_pair
+    engine = Engine.load(target_dir, target_dir)
+    chain1 = Recipe.from_dict({"tree": {"policy": "chain", "depth": 1}})
+    prof = profile(engine, chain1, prompts(2), LIMITS[:2], repeats=3)
+    replay = rp.teacher_force(engine.drafter_model, rp.record(engine.target, prompts(2), LIMITS[:2], 10))
+    assert 0 < predict(prof, replay, chain1) < math.inf
+    # Every self-drafted token is accepted; with a drafter forward at a tenth of a target forward (the
+    # regime speculation is for), a deeper chain must be predicted faster.
+    cheap = Profile.from_dict(prof.to_dict())
+    cheap.draft_curve = {w: prof.verify_curve[1] / 10 for w in cheap.draft_curve}
+    cheap.draft_fixed_ms = cheap.draft_level_ms = 0.0
+    speeds = [predict(cheap, replay, chain1.replace(tree={"depth": d})) for d in (1, 2, 4, 6)]
+    assert speeds == sorted(speeds) and speeds[0] < speeds[-1] < math.inf
+    detail = predict_detail(prof, replay, Recipe.from_dict({"tree": {"policy": "dynamic", "budget": 12}}))
+    assert detail["approximations"] and detail["tokens_per_s"] > 0
+    assert detail["mean_accepted_length"] == 1 + 4  # self-drafted: the whole depth-4 best tree path
+    with pytest.raises(ValueError, match="replay"):
+        predict(prof, replay, Recipe.from_dict({"draft": {"method": "ngram"}}))
+
+
+def test_probe_is_cached_per_device_and_dtype(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path))
+    first = probe("cpu", "float32")
+    assert not first["cached"] and first["bandwidth_gb_s"] > 0 and first["matmul_tflops"] > 0
+    spread = first["bandwidth_spread"]
+    assert spread["min"] <= first["bandwidth_gb_s"] <= spread["max"]
+    again = probe("cpu", "float32")
+    assert again["cached"] and again["bandwidth_gb_s"] == first["bandwidth_gb_s"]
+    assert (tmp_path / "probe.json").is_file()
+    assert not probe("cpu", "float32", refresh=True)["cached"]
+
+
+def test_cli_registers_profile_and_verify():
+    args = build_parser().parse_args(["profile", "--recipe", "chain6", "--max-requests", "2", "--json"])
+    assert args.recipe == "chain6" and args.json and args.max_requests == 2
+    args = build_parser().parse_args(["verify", "--recipe", "ngram", "--workload", "w.jsonl"])
+    assert args.recipe == "ngram" and args.workload == "w.jsonl"

@@ -1,0 +1,74 @@
+"""Continuous batching: every batching policy, at every batch size, equals single-request AR (float32)."""
+
+import pytest
+
+from core.engine import Engine
+from core.engine.serve import CostTable, Policy, allocate, expected_accepted, measure_costs, serve
+from core.engine.tree import chain_paths
+from core.engine.drafters import TreeSpec
+
+
+def workload(n=7, vocab=101):
+    import torch
+
+    g = torch.Generator().manual_seed(3)
+    prompts, limits = [], []
+    for i in range(n):
+        base = torch.randint(0, vocab, (3 + 2 * i,), generator=g).tolist()
+        prompts.append(base + base[: len(base) // 2])
+        limits.append([9, 23, 14, 30, 5, 18, 26][i % 7])
+    return prompts, limits
+
+
+@pytest.fixture(scope="module")
+def setup(tiny_pair):
+    target_dir, drafter_dir, _ = tiny_pair
+    engine = Engine.load(target_dir, drafter_dir)
+    prompts, limits = workload()
+    reference = [engine.generate([p], n, speculative=False).tokens[0] for p, n in zip(prompts, limits)]
+    table = measure_costs(engine.target, engine.drafter_model, [1, 2, 3], repeats=1)
+    return engine, prompts, limits, reference, table
+
+
+@pytest.mark.parametrize("policy", ["fixed", "budget", "allocate", "cap"])
+@pytest.mark.parametrize("batch", [1, 3, 8])
+def test_serve_equals_single_request_ar(setup, policy, batch):
+    engine, prompts, limits, reference, table = setup
+    spec = TreeSpec("static", chain_paths(4))
+    drafter = engine.drafter_for(engine_recipe())
+    pol = Policy(policy, spec, table)
+    result = serve(engine.target, drafter, prompts, limits, spec, pol, max_batch=batch)
+    assert result.tokens == reference
+    assert max(max(s.accepted) for s in result.steps) <= 9
+
+
+def test_serve_ar_and_ngram(setup):
+    engine, prompts, limits, reference, _ = setup
+    assert serve(engine.target, None, prompts, limits, None, max_batch=3).tokens == reference
+    from core.recipe import Recipe
+
+    ngram = engine.drafter_for(Recipe.from_dict({"draft": {"method": "ngram"}}))
+    out = serve(engine.target, ngram, prompts, limits, TreeSpec("static", chain_paths(5)), max_batch=4)
+    assert out.tokens == reference
+
+
+def engine_recipe():
+    from core.recipe import builtin
+
+    return builtin("stock")
+
+
+def test_allocation_prefers_confident_rows():
+    depths = allocate([0.9, 0.2, 0.6], nodes=8)
+    assert sum(depths) == 8
+    assert depths[0] > depths[2] > depths[1]
+    assert allocate([0.5, 0.5], 0) == [0, 0]
+
+
+def test_expected_accepted_and_table_fallback():
+    assert expected_accepted(0.5, 0) == 1
+    assert abs(expected_accepted(0.5, 2) - 1.75) < 1e-12
+    table = CostTable({(1, 1): 1.0, (1, 2): 1.2, (4, 1): 2.0, (4, 2): 3.0})
+    assert table.verify_ms(4, 2) == 3.0
+    assert table.verify_ms(8, 2) == 6.0
+    assert table.verify_ms(1, 9) == 1.2
