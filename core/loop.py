@@ -341,8 +341,8 @@ class Loop:
             self.store.add_memory({
                 "mechanism": p.candidate.title, "description": p.candidate.rationale, "fragment": fragment,
                 "fingerprint": d.fingerprint(),
-                "effect": {"heldout_speedup": comp.speedup, "interval": [comp.low, comp.high]},
-                "evidence": {"run": self.run_id, "round": self.round, "cid": p.cid,
+                "effect": comp.speedup,
+                "evidence": {"run": self.run_id, "round": self.round, "cid": p.cid, "interval": [comp.low, comp.high],
                              "tuning": p.verdict.tuning.to_dict(), "heldout": comp.to_dict()},
             })
 

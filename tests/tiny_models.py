@@ -24,9 +24,9 @@ def build(path: Path, arch: str = "llama2", vocab: int = 101, hidden: int = 64, 
     cfg_cls, model_cls, defaults = ARCHS[arch]
     torch.manual_seed(seed)
     cfg = cfg_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=128,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads,
                   initializer_range=init, eos_token_id=None, bos_token_id=None, pad_token_id=None,
-                  **{**defaults, **extra})
+                  **{"max_position_embeddings": 128, **defaults, **extra})
     model = model_cls(cfg).eval()
     model.save_pretrained(path)
     return model
