@@ -232,13 +232,16 @@ def builtin(name: str) -> Recipe:
                         tree=TreeSection(policy="chain", depth=8)),
         "early_exit": Recipe(name="early_exit", draft=DraftSection(method="early_exit"),
                              tree=TreeSection(policy="chain", depth=4)),
+        "batch-budget": Recipe(name="batch-budget", batching=BatchingSection(policy="budget")),
+        "batch-allocate": Recipe(name="batch-allocate", batching=BatchingSection(policy="allocate")),
+        "batch-cap": Recipe(name="batch-cap", batching=BatchingSection(policy="cap")),
     }
     if name not in presets:
         raise RecipeError(f"unknown built-in recipe {name!r}; built-ins: {', '.join(presets)}, or a .toml path")
     return presets[name].validate()
 
 
-BUILTINS = ("stock", "chain6", "dynamic", "ngram", "early_exit")
+BUILTINS = ("stock", "chain6", "dynamic", "ngram", "early_exit", "batch-budget", "batch-allocate", "batch-cap")
 
 
 def resolve(spec: str) -> Recipe:

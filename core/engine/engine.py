@@ -123,6 +123,19 @@ class Engine:
         return generate(target, self.drafter_for(recipe), prompts, max_new_tokens, tree_spec(recipe), ver,
                         request_ids)
 
+    def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
+              table=None, request_ids: list[int] | None = None) -> GenerateResult:
+        """Continuous batching of many requests (recipe None = batched autoregressive decoding)."""
+        from core.engine.serve import Policy, serve
+
+        if recipe is None:
+            return serve(self.target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
+        target, _ = self.models_for(recipe)
+        b, v = recipe.batching, recipe.verify
+        policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap)
+        return serve(target, self.drafter_for(recipe), prompts, limits, tree_spec(recipe), policy, max_batch,
+                     Verification(v.sampling, v.temperature, v.top_p, v.seed), request_ids)
+
     @property
     def device(self) -> torch.device:
         return self.target.device

@@ -1,0 +1,63 @@
+"""`specpilot bench --batch-sizes`: aggregate tokens/s under continuous batching, per batch size.
+
+For each batch size every system serves the same requests with at most that many in flight; systems are
+interleaved per repeat so drift cancels. Speedups are over our batched autoregressive decoding at the same
+batch size. Batching policies price steps with a cost table measured once at the start.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+
+from tqdm import tqdm
+
+from core.deployment import Deployment
+from core.engine import Engine
+from core.engine.serve import measure_costs
+from core.recipe import Recipe
+from core.workload import encode, load, split
+
+
+def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list[int], which: str = "all",
+                max_requests: int | None = None, max_new_tokens: int | None = None, repeats: int = 3,
+                progress: bool = True, engine: Engine | None = None) -> dict:
+    from transformers import AutoTokenizer
+
+    requests = split(load(deployment.workload), which)[: max_requests or None]
+    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
+    prompts = [encode(tokenizer, r) for r in requests]
+    limits = [max_new_tokens or r.max_new_tokens for r in requests]
+    engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    table = measure_costs(engine.target, engine.drafter_model, sorted(set(batch_sizes)))
+    systems: dict[str, Recipe | None] = {"ar": None, **{r.name: r for r in recipes}}
+    reference = engine.serve(prompts, limits, None, 1).tokens
+    rates: dict[tuple[int, str], list[float]] = {}
+    accepted: dict[tuple[int, str], list[int]] = {}
+    mismatched: dict[tuple[int, str], int] = {}
+    bar = tqdm(total=repeats * len(batch_sizes) * len(systems), desc="bench", file=sys.stderr, disable=not progress)
+    for rep in range(repeats):
+        for b in batch_sizes:
+            names = list(systems)
+            shift = rep % len(names)
+            for name in names[shift:] + names[:shift]:
+                result = engine.serve(prompts, limits, systems[name], b, table)
+                key = (b, name)
+                rates.setdefault(key, []).append(result.new_tokens / result.seconds)
+                accepted.setdefault(key, []).extend(a for s in result.steps for a in s.accepted)
+                mismatched[key] = sum(1 for x, y in zip(result.tokens, reference) if x != y)
+                bar.update()
+    bar.close()
+    results = []
+    for b in batch_sizes:
+        ar = statistics.median(rates[(b, "ar")])
+        for name in systems:
+            r = rates[(b, name)]
+            acc = accepted[(b, name)]
+            results.append({"name": name, "batch_size": b, "tokens_per_s": statistics.median(r),
+                            "tokens_per_s_min": min(r), "tokens_per_s_max": max(r),
+                            "speedup_vs_ar": statistics.median(r) / ar,
+                            "mean_accepted_length": sum(acc) / len(acc) if systems[name] is not None else None,
+                            "requests": len(prompts), "mismatched_requests": mismatched[(b, name)]})
+    return {"deployment": deployment.to_dict(), "requests": len(prompts), "repeats": repeats, "reference": "ar",
+            "batch_sizes": batch_sizes, "results": results}
