@@ -1,0 +1,182 @@
+"""Glue between the core and the UI: loop events become Textual messages, user decisions go back.
+
+The core never imports Textual. The loop runs in a thread worker; every event it emits is posted to
+the app as a `CoreEvent` (post_message is thread-safe and does not block). Decisions, pause, resume
+and stop are plain calls on the `LoopHandle`; their failures come back as one-line messages.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import threading
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Callable, Protocol
+
+from textual.message import Message
+
+from core.events import DecisionRefused, Event, LoopHandle
+
+FAKE_CORE_ENV = "SPECPILOT_FAKE_CORE"
+"""Testing hook: when set, the app drives tests/fake_core.py instead of core.loop."""
+
+
+class CoreEvent(Message):
+    """One event from the loop, posted from the worker thread."""
+
+    def __init__(self, event: Event) -> None:
+        super().__init__()
+        self.event = event
+
+
+class LoopEnded(Message):
+    """The loop returned (error is None) or raised (error is its one-line message)."""
+
+    def __init__(self, error: str | None) -> None:
+        super().__init__()
+        self.error = error
+
+
+class LoopUnavailable(Exception):
+    """The live loop cannot be built; the message is one line, fit for the status line."""
+
+
+class StoreUnavailable(Exception):
+    """The store cannot be opened or read; the message is one line."""
+
+
+class StoreLike(Protocol):
+    """The read side of core.store.db.Store that the replay screens use."""
+
+    def list_runs(self) -> list[dict[str, Any]]: ...
+
+    def list_rounds(self, run_id: Any) -> list[dict[str, Any]]: ...
+
+    def events(self, run_id: Any, upto_round: int | None = None) -> list[Event]: ...
+
+
+def one_line(exc: BaseException) -> str:
+    """An exception as one line: its message's first line, or its type when it has none."""
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def build_handle(args: Namespace) -> LoopHandle:
+    """The live loop for the parsed options (imported lazily); raises LoopUnavailable."""
+    if os.environ.get(FAKE_CORE_ENV):
+        return _fake_core()
+    try:
+        from core.loop import build_loop
+    except Exception as exc:
+        raise LoopUnavailable(f"the live loop is not available ({one_line(exc)}); "
+                              "replaying stored runs still works (R)") from None
+    try:
+        return build_loop(args)
+    except Exception as exc:
+        raise LoopUnavailable(f"cannot start the loop: {one_line(exc)}") from None
+
+
+def _fake_core() -> LoopHandle:
+    """tests/fake_core.py's scripted core (tmux end-to-end tests only)."""
+    path = Path(__file__).resolve().parents[1] / "tests" / "fake_core.py"
+    spec = importlib.util.spec_from_file_location("specpilot_fake_core", path)
+    if spec is None or spec.loader is None or not path.is_file():
+        raise LoopUnavailable(f"{FAKE_CORE_ENV} is set but {path} is missing")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.FakeCore(delay=float(os.environ.get("SPECPILOT_FAKE_DELAY", "0.02")))
+
+
+def open_store(path: str | os.PathLike[str]) -> StoreLike:
+    """Open the store for reading runs; raises StoreUnavailable with a one-line reason."""
+    if not Path(path).is_file():
+        raise StoreUnavailable(f"no store at {path} (run the loop first, or pass --db)")
+    try:
+        from core.store.db import Store, StoreError
+    except Exception as exc:
+        raise StoreUnavailable(f"the store is not available ({one_line(exc)})") from None
+    try:
+        return Store(path)
+    except StoreError as exc:
+        raise StoreUnavailable(one_line(exc)) from None
+    except Exception as exc:
+        raise StoreUnavailable(f"cannot open {path}: {one_line(exc)}") from None
+
+
+class LoopBridge:
+    """Runs a LoopHandle for the app and relays the user's decisions to it."""
+
+    def __init__(self, factory: Callable[[], LoopHandle], post: Callable[[Message], Any]) -> None:
+        self.factory = factory
+        self.post = post
+        self.handle: LoopHandle | None = None
+        self.paused = False
+        self.running = False
+
+    def emit(self, event: Event) -> None:
+        """The loop's emit callback: hand the event to the UI thread."""
+        self.post(CoreEvent(event))
+
+    def run(self, cancelled: Callable[[], bool]) -> None:
+        """Build and run the loop; called in the thread worker, returns when it ends or is cancelled.
+
+        The loop itself runs in a daemon thread so quitting never waits for a step in flight.
+        """
+        outcome: list[str | None] = []
+
+        def target() -> None:
+            try:
+                self.handle = self.factory()
+                self.running = True
+                self.handle.run(self.emit)
+                outcome.append(None)
+            except LoopUnavailable as exc:
+                outcome.append(str(exc))
+            except BaseException as exc:
+                outcome.append(f"the loop stopped with an error: {type(exc).__name__}: {one_line(exc)}")
+            finally:
+                self.running = False
+
+        thread = threading.Thread(target=target, name="specpilot-loop", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            if cancelled():
+                self.stop()
+                return
+            thread.join(0.1)
+        self.post(LoopEnded(outcome[0] if outcome else None))
+
+    def decide(self, cid: str, decision: str, note: str = "") -> str | None:
+        """Send a decision; return why it was refused or failed, None when accepted."""
+        if self.handle is None or not self.running:
+            return "the loop is not running"
+        try:
+            self.handle.decide(cid, decision, note)
+        except DecisionRefused as exc:
+            return one_line(exc)
+        except Exception as exc:
+            return f"{decision} {cid} failed: {one_line(exc)}"
+        return None
+
+    def toggle_pause(self) -> str | None:
+        """Pause or resume; return an error message or None."""
+        if self.handle is None or not self.running:
+            return "the loop is not running"
+        try:
+            if self.paused:
+                self.handle.resume()
+            else:
+                self.handle.pause()
+        except Exception as exc:
+            return f"{'resume' if self.paused else 'pause'} failed: {one_line(exc)}"
+        self.paused = not self.paused
+        return None
+
+    def stop(self) -> None:
+        """Ask the loop to end at its next step boundary (never raises)."""
+        if self.handle is not None:
+            try:
+                self.handle.stop()
+            except Exception:
+                pass

@@ -1,0 +1,183 @@
+"""The dashboard: header, the four panels (tabs when small, a grid when large) and the status line.
+
+Live events and replayed ones enter through `feed`; both end in `DashboardState.apply` and the same
+panel refresh. Chunks of streamed text are buffered and drained a few times a second inside one
+`batch_update`, other events drain at once (with any chunks before them, so order is kept).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from textual.app import ComposeResult
+from textual.containers import Container, Vertical
+from textual.reactive import reactive
+from textual.widget import Widget
+from textual.widgets import DataTable, TabbedContent, TabPane
+
+from app.screens.diff import DiffScreen
+from app.state import PANELS, Alert, DashboardState
+from app.widgets.candidates import CandidatesPanel, CandidateTable
+from app.widgets.forcing import ForcingTable
+from app.widgets.gaps import GapBars, gap_title
+from app.widgets.header import StatusHeader, StatusLine
+from app.widgets.speedup import SpeedupPlot
+from core.events import Event
+
+DRAIN_INTERVAL = 0.15
+WIDE_MIN = (120, 35)
+TABS = (("tab-candidates", "Candidates"), ("tab-gaps", "Gaps"), ("tab-forcing", "Forcing"),
+        ("tab-speedup", "Speedup"))
+
+
+class Panel(Vertical):
+    """A bordered panel; its title may follow the state (set on mount and on `sync_title`)."""
+
+    def __init__(self, *children: Widget, title: str | Callable[[], str], **kwargs: Any) -> None:
+        super().__init__(*children, **kwargs)
+        self._title = title
+
+    def on_mount(self) -> None:
+        self.sync_title()
+
+    def sync_title(self) -> None:
+        self.border_title = self._title() if callable(self._title) else self._title
+
+
+class Dashboard(Widget):
+    """Renders a DashboardState; `wide` switches between tabs and a tiled grid."""
+
+    wide: reactive[bool] = reactive(False, recompose=True)
+
+    def __init__(self, state: DashboardState | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state = state or DashboardState()
+        self.pending: list[Event] = []
+        self.selected_cid: str | None = None
+        self.active_tab = TABS[0][0]
+
+    def compose(self) -> ComposeResult:
+        self.set_reactive(Dashboard.wide, self._want_wide())
+        yield StatusHeader(self.state, id="header")
+        panels = {
+            "tab-candidates": Panel(CandidatesPanel(self.state, self.selected_cid), title="Candidates",
+                                    id="candidates-panel", classes="panel"),
+            "tab-gaps": Panel(GapBars(self.state, id="gaps"), title=lambda: gap_title(self.state.gaps),
+                              id="gaps-panel", classes="panel"),
+            "tab-forcing": Panel(ForcingTable(self.state, id="forcing"), title="Token forcing",
+                                 id="forcing-panel", classes="panel"),
+            "tab-speedup": Panel(SpeedupPlot(self.state, id="speedup"), title="Speedup over AR",
+                                 id="speedup-panel", classes="panel"),
+        }
+        if self.wide:
+            with Container(id="grid"):
+                for key in ("tab-gaps", "tab-candidates", "tab-speedup", "tab-forcing"):
+                    yield panels[key]
+        else:
+            with TabbedContent(initial=self.active_tab, id="tabs"):
+                for key, title in TABS:
+                    with TabPane(title, id=key):
+                        yield panels[key]
+        yield StatusLine(self.state, id="status")
+
+    def on_mount(self) -> None:
+        self.set_interval(DRAIN_INTERVAL, self.drain)
+        self.app.theme_changed_signal.subscribe(self, lambda _theme: self.refresh_panels(set(PANELS), True))
+
+    def _want_wide(self) -> bool:
+        width, height = self.app.size
+        return width >= WIDE_MIN[0] and height >= WIDE_MIN[1]
+
+    def on_resize(self) -> None:
+        self.wide = self._want_wide()
+
+    def on_tabbed_content_tab_activated(self, event: TabbedContent.TabActivated) -> None:
+        if event.pane.id:
+            self.active_tab = event.pane.id
+
+    def feed(self, event: Event) -> None:
+        """Take one event (live or replayed); streamed chunks wait for the next drain."""
+        self.pending.append(event)
+        if event.kind != "agent_chunk":
+            self.drain()
+
+    def drain(self) -> None:
+        """Apply the buffered events in one batch and refresh what they changed."""
+        if not self.pending:
+            return
+        events, self.pending = self.pending, []
+        with self.app.batch_update():
+            self.refresh_panels(self.state.apply_all(events))
+        self._notify(self.state.take_alerts())
+
+    def load(self, events: list[Event]) -> None:
+        """Show the state at the end of `events` at once (replay), without notifications."""
+        self.pending.clear()
+        self.state.reset()
+        self.state.apply_all(events)
+        self.state.take_alerts()
+        with self.app.batch_update():
+            self.refresh_panels(set(PANELS))
+
+    def report(self, message: str, severity: str = "error") -> None:
+        """Show a UI-side problem exactly like a core `error`/`notice` event."""
+        self.feed(Event("error" if severity == "error" else "notice", {"message": message}))
+
+    def _notify(self, alerts: list[Alert]) -> None:
+        for alert in alerts:
+            self.app.notify(alert.message, severity=alert.severity,
+                            timeout=10 if alert.severity == "error" else 5)
+
+    def refresh_panels(self, changed: set[str], restyle: bool = False) -> None:
+        """Refresh the widgets whose panels changed (all of them after a theme change)."""
+        if "header" in changed:
+            for header in self.query(StatusHeader):
+                header.sync()
+        if "status" in changed:
+            for line in self.query(StatusLine):
+                line.sync()
+        if "gaps" in changed:
+            for gaps in self.query(GapBars):
+                gaps.sync()
+            for panel in self.query(Panel):
+                panel.sync_title()
+        if "forcing" in changed:
+            for table in self.query(ForcingTable):
+                table.sync(restyle)
+        if "speedup" in changed:
+            for plot in self.query(SpeedupPlot):
+                plot.sync(restyle)
+        for panel in self.query(CandidatesPanel):
+            if "candidates" in changed:
+                panel.sync(restyle)
+            if changed & {"candidates", "stream"}:
+                panel.sync_stream(restyle)
+
+    def on_data_table_row_highlighted(self, event: DataTable.RowHighlighted) -> None:
+        if isinstance(event.data_table, CandidateTable):
+            self.selected_cid = str(event.row_key.value) if event.row_key is not None else None
+            for panel in self.query(CandidatesPanel):
+                panel.sync_stream()
+
+    def on_data_table_row_selected(self, event: DataTable.RowSelected) -> None:
+        event.stop()
+        cid = str(event.row_key.value)
+        if isinstance(event.data_table, ForcingTable):
+            for table in self.query(CandidateTable):
+                table.select(cid)
+        self.open_diff(cid)
+
+    @property
+    def current_cid(self) -> str | None:
+        """The candidate under the table cursor."""
+        tables = self.query(CandidateTable)
+        return tables.first().selected_cid if tables else self.selected_cid
+
+    def open_diff(self, cid: str | None = None) -> None:
+        """Show a candidate's full proposal in a modal."""
+        cid = cid or self.current_cid
+        cand = self.state.candidates.get(cid or "")
+        if cand is None:
+            self.app.notify("no candidate selected", severity="warning")
+            return
+        self.app.push_screen(DiffScreen(cand, self.state.forcing.get(cand.cid)))

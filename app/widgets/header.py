@@ -1,0 +1,79 @@
+"""The header line (deployment, round, loop state, best speedup) and the status line (last message)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.widgets import Static
+
+from app.state import DashboardState, short_name
+
+SEVERITY_MARK = {"information": "•", "warning": "!", "error": "✗"}
+
+
+class StatusHeader(Static):
+    """SpecPilot │ target → drafter │ round N │ state │ best X.XXx over AR."""
+
+    COMPONENT_CLASSES = {"header--title", "header--dim", "header--state", "header--alert", "header--best"}
+
+    def __init__(self, state: DashboardState, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state = state
+        self.text = ""
+
+    def on_mount(self) -> None:
+        self.sync()
+
+    def on_resize(self) -> None:
+        self.sync()
+
+    def sync(self, restyle: bool = False) -> None:
+        s = self.state
+        style = self.get_component_rich_style
+        sep = (" │ ", style("header--dim"))
+        dep = s.deployment
+        deployment = f"{short_name(dep.get('target'))} → {short_name(dep.get('drafter'))}" if dep else "no run"
+        alert = s.loop_state in ("paused", "failed", "awaiting_approval")
+        parts: list[tuple[str, object]] = [(" ", "")]
+        if self.size.width >= 100 or not self.size.width:
+            parts += [("SpecPilot", style("header--title")), sep]
+        parts.append((deployment, ""))
+        if s.run is not None:
+            parts += [sep, (f"run {s.run}", "")]
+        parts += [sep, (f"round {s.round}" if s.round is not None else "round —", ""), sep,
+                  (s.loop_state.replace("_", " ").upper() if alert else s.loop_state,
+                   style("header--alert" if alert else "header--state"))]
+        best = s.best_speedup
+        parts += [sep, (f"best {best:.2f}x AR" if best is not None else "best —", style("header--best"))]
+        if s.auto:
+            parts += [sep, ("auto", style("header--dim"))]
+        text = Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
+        self.text = text.plain
+        self.update(text)
+
+
+class StatusLine(Static):
+    """The last notice or error, so messages stay visible after their notification fades."""
+
+    COMPONENT_CLASSES = {"status--information", "status--warning", "status--error"}
+
+    def __init__(self, state: DashboardState, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.state = state
+        self.text = ""
+
+    def on_mount(self) -> None:
+        self.sync()
+
+    def sync(self, restyle: bool = False) -> None:
+        alert = self.state.status
+        if alert is None:
+            self.text = ""
+            self.update("")
+            return
+        mark = SEVERITY_MARK.get(alert.severity, "•")
+        text = Text(f" {mark} {alert.message}", style=self.get_component_rich_style(f"status--{alert.severity}"),
+                    no_wrap=True, overflow="ellipsis")
+        self.text = text.plain
+        self.update(text)

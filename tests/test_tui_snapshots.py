@@ -1,0 +1,108 @@
+"""SVG snapshots of the main and replay screens at 80x24 and 160x50 (tests/snapshots/).
+
+The content is deterministic: scripted events with fixed times, no clocks on screen, notifications
+cleared. Each snapshot is stored as SVG and as plain text (compared first, for a readable diff).
+Regenerate after an intended change with SPECPILOT_UPDATE_SNAPSHOTS=1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import os
+from pathlib import Path
+from typing import Any, Awaitable, Callable
+
+import pytest
+from fake_core import record, save_run
+from rich.console import Console
+
+from app.app import SpecPilotApp, build_parser
+from app.screens.replay import ReplayScreen
+from core.store.db import Store
+
+SNAPSHOTS = Path(__file__).parent / "snapshots"
+UPDATE = os.environ.get("SPECPILOT_UPDATE_SNAPSHOTS") == "1"
+SIZES = {"80x24": (80, 24), "160x50": (160, 50)}
+
+
+@pytest.fixture(autouse=True)
+def isolated_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(tmp_path / "config"))
+    monkeypatch.delenv("NO_COLOR", raising=False)
+
+
+def screen_text(app: SpecPilotApp) -> str:
+    """The screen as plain text, rendered the way export_screenshot renders it."""
+    width, height = app.size
+    console = Console(width=width, height=height, file=io.StringIO(), force_terminal=True,
+                      color_system="truecolor", record=True, legacy_windows=False, safe_box=False)
+    console.print(app.screen._compositor.render_update(full=True, screen_stack=app._background_screens))
+    return console.export_text(styles=False)
+
+
+def snapshot(app: SpecPilotApp, size: tuple[int, int], prepare: Callable[[Any], Awaitable[None]]) -> tuple[str, str]:
+    """Run the app, let `prepare` bring it to the state to capture; return (text, svg)."""
+    out: dict[str, str] = {}
+
+    app.animation_level = "none"
+
+    async def go() -> None:
+        async with app.run_test(size=size) as pilot:
+            await prepare(pilot)
+            app.clear_notifications()
+            await pilot.pause(0.3)
+            await pilot.wait_for_scheduled_animations()
+            out["text"] = screen_text(app)
+            out["svg"] = app.export_screenshot(title="specpilot-tui")
+
+    asyncio.run(go())
+    return out["text"], out["svg"]
+
+
+def check(name: str, text: str, svg: str, tmp_path: Path) -> None:
+    """Compare with the stored snapshot (text first, then SVG), or store it when updating."""
+    txt_path, svg_path = SNAPSHOTS / f"{name}.txt", SNAPSHOTS / f"{name}.svg"
+    if UPDATE:
+        SNAPSHOTS.mkdir(exist_ok=True)
+        txt_path.write_text(text)
+        svg_path.write_text(svg)
+        return
+    assert svg_path.is_file(), f"no snapshot {svg_path}; run with SPECPILOT_UPDATE_SNAPSHOTS=1 to create it"
+    (tmp_path / f"{name}.svg").write_text(svg)
+    assert text == txt_path.read_text(), f"screen text differs from {txt_path}"
+    assert svg == svg_path.read_text(), f"SVG differs from {svg_path}; actual: {tmp_path / (name + '.svg')}"
+
+
+@pytest.mark.parametrize("size", SIZES)
+@pytest.mark.parametrize("theme", ["specpilot-dark", "specpilot-mono"])
+def test_main_screen(size: str, theme: str, tmp_path: Path) -> None:
+    if theme == "specpilot-mono" and size != "80x24":
+        pytest.skip("one monochrome snapshot is enough")
+    app = SpecPilotApp(build_parser().parse_args(["--theme", theme]))
+
+    async def prepare(pilot: Any) -> None:
+        app.live.load(record(1, until_awaiting=True))
+
+    text, svg = snapshot(app, SIZES[size], prepare)
+    assert "AWAITING APPROVAL" in text
+    check(f"main_{size}" + ("_mono" if theme.endswith("mono") else ""), text, svg, tmp_path)
+
+
+@pytest.mark.parametrize("size", SIZES)
+def test_replay_screen(size: str, tmp_path: Path) -> None:
+    store = Store(tmp_path / "store.db")
+    save_run(store, record(2))
+    store.close()
+    app = SpecPilotApp(build_parser().parse_args(["--replay", "1", "--db", str(tmp_path / "store.db")]))
+
+    async def prepare(pilot: Any) -> None:
+        for _ in range(200):
+            if isinstance(app.screen, ReplayScreen):
+                break
+            await pilot.pause(0.02)
+        assert isinstance(app.screen, ReplayScreen)
+
+    text, svg = snapshot(app, SIZES[size], prepare)
+    assert "REPLAY · run 1 · round 2" in text
+    check(f"replay_{size}", text, svg, tmp_path)
