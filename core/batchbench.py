@@ -24,6 +24,7 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
                 progress: bool = True, engine: Engine | None = None) -> dict:
     from transformers import AutoTokenizer
 
+    deployment.validate()
     requests = split(load(deployment.workload), which)[: max_requests or None]
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     prompts = [encode(tokenizer, r) for r in requests]

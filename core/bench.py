@@ -82,6 +82,7 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
     """Benchmark every system on the same requests; returns the JSON-ready summary."""
     from transformers import AutoTokenizer
 
+    deployment.validate()
     requests = split(load(deployment.workload), which)[: max_requests or None]
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     prompts = {r.id: encode(tokenizer, r) for r in requests}

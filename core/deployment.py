@@ -56,6 +56,20 @@ class Deployment:
             values["threads"] = int(args.threads)
         return cls(**values)
 
+    def validate(self) -> "Deployment":
+        """Fail early, in one line, on paths that do not exist."""
+        from core.engine.config import ModelLoadError
+        from core.workload import WorkloadError
+
+        for role, path in (("target", self.target), ("drafter", self.drafter)):
+            if path is not None and not (Path(path) / "config.json").is_file():
+                what = "does not exist" if not Path(path).exists() else "has no config.json"
+                raise ModelLoadError(f"{role} {path} {what}; pass a local Hugging Face checkpoint directory "
+                                     f"(--{role} DIR)")
+        if not Path(self.workload).is_file():
+            raise WorkloadError(f"workload {self.workload} does not exist; pass a .jsonl file (--workload FILE)")
+        return self
+
     def to_dict(self) -> dict:
         return asdict(self)
 

@@ -1,0 +1,72 @@
+"""The shipped demo pair loads in both loaders and agrees; bench's JSON has its documented fields."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mini_deployment
+from core.deployment import DEMO_DRAFTER, DEMO_TARGET
+
+
+@pytest.mark.parametrize("model_dir", [DEMO_TARGET, DEMO_DRAFTER], ids=["target", "drafter"])
+def test_shipped_model_matches_transformers(model_dir):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from core.engine import Engine
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    engine = Engine.load(model_dir, dtype="float32")
+    prompts = ["def read_config(path):\n    \"\"\"Read a config file.\"\"\"\n    with open(", "class Stack:\n    def push(self, "]
+    for text in prompts:
+        ids = tok.encode(text, add_special_tokens=False)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=16, do_sample=False,
+                              pad_token_id=tok.pad_token_id)[0, len(ids):].tolist()
+        ours = engine.generate([ids], 16, speculative=False).tokens[0]
+        assert ours == ref
+
+
+def test_bench_json_fields(tmp_path):
+    d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=6)
+    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
+           "--workload", d["workload"], "--max-requests", "2", "--repeats", "1", "--recipes", "stock,ngram",
+           "--quiet", "--json", "--dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    names = [r["name"] for r in summary["results"]]
+    assert names == ["hf-ar", "hf-assisted", "hf-lookup", "ar", "stock", "ngram"]
+    keys = {"name", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "mean_accepted_length", "requests",
+            "mismatched_requests"}
+    for r in summary["results"]:
+        assert keys <= set(r)
+        assert r["requests"] == 2
+        assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
+        assert (r["mean_accepted_length"] is None) == (r["name"] in ("hf-ar", "hf-assisted", "hf-lookup", "ar"))
+    ours = {r["name"]: r for r in summary["results"]}
+    assert ours["ar"]["mismatched_requests"] == 0 and ours["stock"]["mismatched_requests"] == 0
+
+
+def test_bench_batched_json(tmp_path):
+    d = mini_deployment.build(tmp_path, requests=3, max_new_tokens=6)
+    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
+           "--workload", d["workload"], "--repeats", "1", "--recipes", "stock,batch-budget", "--batch-sizes", "1,2",
+           "--quiet", "--json", "--dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout)["results"]
+    assert {(r["batch_size"], r["name"]) for r in results} == {(b, n) for b in (1, 2) for n in ("ar", "stock", "batch-budget")}
+    assert all(r["mismatched_requests"] == 0 for r in results)
+
+
+def test_bench_bad_input_is_one_line(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "core.cli", "bench", "--target", str(tmp_path / "nope")],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert "does not exist" in out.stderr
