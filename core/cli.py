@@ -247,10 +247,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from core.recipe import resolve
 
     deployment = Deployment.from_args(args)
+    deployment.apply_threads()
     recipe = resolve(args.recipe)
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
-    report = analyse(engine, recipe, prompts, limits, ids)
+    report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict)))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -264,6 +265,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
     for gap in report["gaps"]:
         mark = "  <- largest" if gap["component"] == report["largest_gap"] else ""
         print(f"  {gap['component']:<11}{gap['ms_per_token']:>9.3f} ms/token{mark}")
+    for pred in report["predictions"]:
+        note = f"  ({'; '.join(pred['approximations'])})" if pred["approximations"] else ""
+        print(f"predicted {pred['recipe']}: {pred['predicted_tokens_per_s']:.1f} tok/s, "
+              f"accepted/step {pred['mean_accepted_length']:.2f}{note}")
     return 0
 
 
@@ -274,6 +279,7 @@ def add_profile(sub) -> None:
     p.add_argument("--split", default="tuning", choices=["tuning", "heldout", "all"])
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--predict", default=None, help="comma-separated recipes to predict from this profile")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_profile)
 
@@ -281,14 +287,19 @@ def add_profile(sub) -> None:
 def cmd_verify(args: argparse.Namespace) -> int:
     from core.deployment import Deployment
     from core.engine import Engine
-    from core.forcing import compare
+    from core.forcing import ForcingError, compare
     from core.recipe import resolve
 
     deployment = Deployment.from_args(args)
+    deployment.apply_threads()
     recipe = resolve(args.recipe)
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
-    result = compare(engine, recipe, prompts, limits, request_ids=ids, reference_dtype=args.reference_dtype)
+    try:
+        result = compare(engine, recipe, prompts, limits, request_ids=ids, reference_dtype=args.reference_dtype)
+    except ForcingError as exc:
+        print(f"specpilot: error: {exc}", file=sys.stderr)
+        return 2
     if args.json:
         print(json.dumps(result, indent=2))
     else:

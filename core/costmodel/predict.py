@@ -3,14 +3,16 @@
 Step time = draft + verify + commit/host:
   draft   model/early-exit drafters: per-call host work + per level (host work + a forward of that level's
           width), from the profile's drafter curves and real draft() timings; the drafter's prompt prefill
-          once per request. Early exit without its own curve: the target's curve scaled by E / layers.
-          n-gram: the lookup time measured while replaying it.
-  verify  the target's cost curve at the mean nodes per step, plus the incumbent's measured verify work
-          beyond its forward (choices, masks).
+          once per request. An early exit at an unmeasured layer: interpolated per layer between the
+          measured early exit and the full target. n-gram: the lookup time measured while replaying it.
+  verify  the target's cost curve at the mean nodes per step.
   commit/host  the incumbent's measured means.
-Acceptance comes from the replay: exact for chains and static trees; dynamic model trees are approximated by
-the best static tree of the same budget and depth (an adaptive tree can do better, so this errs low);
-seeded or rejection sampling on a greedy replay uses greedy acceptance. Weight format and runtime options
+Microbenchmarks fix the shape of these costs, the profiled run their level: draft and verify are scaled by
+measured / modelled for the profiled recipe (load_factors), which absorbs the per-step work around the
+forwards and the machine's load at the time.
+Acceptance and nodes per step come from the replay: exact for chains, static and dynamic trees and n-gram
+drafting (a replay without its drafter model approximates a dynamic tree by the best static tree of the
+same budget and depth); seeded or rejection sampling on a greedy replay uses greedy acceptance. Weight format and runtime options
 act only through the profile they were measured with.
 """
 
@@ -34,54 +36,85 @@ def _levels(recipe: Recipe) -> list[int]:
     return [1] + [sum(1 for p in parents if len(p) == d) for d in range(1, depth)]
 
 
-def _replay_kind(recipe: Recipe) -> str:
-    return {"model": "model", "early_exit": "early_exit", "ngram": "ngram"}[recipe.draft.method]
+def drafter_cost(profile: Profile, recipe: Recipe) -> dict:
+    """The profile's costs of the recipe's drafter. An early exit at a depth that was not measured is
+    interpolated per layer between a measured early exit and the full target (below the measured depth:
+    extrapolated, but never under the measured cost scaled by layers)."""
+    if recipe.draft.method == "model":
+        if "model" not in profile.drafters:
+            raise ValueError("the profile has no measurements of a drafter model; profile a deployment with a "
+                             "drafter checkpoint to predict draft.method = 'model'")
+        return profile.drafters["model"]
+    layers = recipe.draft.exit_layer or profile.target_layers // 2
+    key = f"early_exit:{layers}"
+    if key in profile.drafters:
+        return profile.drafters[key]
+    measured = [k for k in profile.drafters if k.startswith("early_exit:")]
+    if not measured:
+        raise ValueError("the profile has no early-exit measurements; profile with an early_exit recipe")
+    base = profile.drafters[measured[0]]
+    e0, full = int(measured[0].split(":")[1]), profile.target_layers
+    frac = (layers - e0) / (full - e0)
+    floor = min(1.0, layers / e0)
+    curve = {w: max(ms + frac * (interpolate(profile.verify_curve, w) - ms), ms * floor)
+             for w, ms in base["curve"].items()}
+    prefill = base["prefill_ms"] * max(1 + frac * (full / e0 - 1), floor)
+    return {**base, "curve": curve, "prefill_ms": prefill}
 
 
-def _forward(profile: Profile, recipe: Recipe, width: float) -> float:
-    """Drafter forward ms at `width` nodes for this recipe's drafter."""
-    if recipe.draft.method == "early_exit":
-        layers = recipe.draft.exit_layer or profile.target_layers // 2
-        if profile.drafter == f"early_exit:{layers}":
-            return interpolate(profile.draft_curve, width)
-        return interpolate(profile.verify_curve, width) * layers / profile.target_layers
-    if profile.drafter != "model":
-        raise ValueError("the profile has no measurements of a drafter model; profile a deployment with a "
-                         "drafter checkpoint to predict draft.method = 'model'")
-    return interpolate(profile.draft_curve, width)
+def _draft_model(profile: Profile, recipe: Recipe) -> tuple[float, float]:
+    """Microbenchmark-modelled draft ms per step and prompt prefill ms of a model/early-exit recipe."""
+    spec = tree_spec(recipe)
+    cost = drafter_cost(profile, recipe)
+    draft = cost["fixed_ms"] + sum(cost["level_ms"] + interpolate(cost["curve"], w) for w in _levels(recipe))
+    if spec.kind == "dynamic":
+        draft += cost["dynamic"]["extra_ms_per_level"] * spec.depth
+    return max(draft, 1e-6), cost["prefill_ms"]
 
 
-def _prefill(profile: Profile, recipe: Recipe) -> float:
-    if recipe.draft.method == "early_exit" and not profile.drafter.startswith("early_exit"):
-        layers = recipe.draft.exit_layer or profile.target_layers // 2
-        return interpolate(profile.verify_curve, profile.prompt_len) * layers / profile.target_layers
-    return profile.drafter_prefill_ms
+def load_factors(profile: Profile) -> dict[str, float]:
+    """Measured / modelled cost of the profiled recipe's verify and draft phases.
+
+    Microbenchmarks give the shape of the costs; the timed run gives their level under the machine's load
+    at the time (on a shared CPU the two differ by up to 2x). Draft falls back to the verify factor when
+    the profiled recipe drafts without a model.
+    """
+    ph = profile.phases
+    verify = ph["verify_ms"] / max(interpolate(profile.verify_curve, profile.nodes_per_step), 1e-6)
+    factors = {"verify": verify, "draft": verify}
+    incumbent = Recipe.from_dict(profile.recipe)
+    if incumbent.draft.method != "ngram" and profile.steps:
+        try:
+            modelled, prefill = _draft_model(profile, incumbent)
+        except ValueError:
+            return factors
+        measured = (ph["draft_ms"] * profile.steps - profile.requests * prefill) / profile.steps
+        if measured > 0:
+            factors["draft"] = measured / modelled
+    return factors
 
 
 def predict_detail(profile: Profile | dict, replay: rp.Replay, recipe: Recipe) -> dict:
     """The prediction with its parts: acceptance, per-step phase costs, per-request costs, tokens/s."""
     prof = profile if isinstance(profile, Profile) else Profile.from_dict(profile)
-    kind = _replay_kind(recipe)
+    kind = recipe.draft.method
     if replay.method != kind:
         raise ValueError(f"replay of the {replay.method!r} drafter cannot predict draft.method = "
                          f"{recipe.draft.method!r}; replay that drafter")
     spec = tree_spec(recipe)
     sim = rp.run(replay, spec)
     notes = []
-    if spec.kind == "dynamic" and kind != "ngram":
+    if spec.kind == "dynamic" and kind != "ngram" and replay.model is None:
         notes.append("dynamic tree approximated by the best static tree of the same budget and depth")
     if recipe.verify.sampling in ("seeded", "rejection"):
         notes.append(f"{recipe.verify.sampling} sampling approximated by greedy acceptance")
     ph = prof.phases
-    verify_extra = max(0.0, ph["verify_ms"] - interpolate(prof.verify_curve, prof.nodes_per_step))
-    verify = interpolate(prof.verify_curve, sim.mean_nodes) + verify_extra
+    factors = load_factors(prof)
+    verify = interpolate(prof.verify_curve, sim.mean_nodes) * factors["verify"]
     if kind == "ngram":
         draft, prefill = sim.draft_ms, 0.0
     else:
-        draft = prof.draft_fixed_ms + sum(prof.draft_level_ms + _forward(prof, recipe, w) for w in _levels(recipe))
-        if spec.kind == "dynamic":
-            draft += prof.draft_dynamic.get("extra_ms_per_level", 0.0) * spec.depth
-        prefill = _prefill(prof, recipe)
+        draft, prefill = (ms * factors["draft"] for ms in _draft_model(prof, recipe))
     step = draft + verify + ph["commit_ms"] + ph["host_ms"]
     per_request = prof.other_ms / max(prof.requests, 1) + prefill
     requests = len(replay.traces)
@@ -93,6 +126,7 @@ def predict_detail(profile: Profile | dict, replay: rp.Replay, recipe: Recipe) -
         "nodes_per_step": sim.mean_nodes,
         "step_ms": {"draft": draft, "verify": verify, "commit": ph["commit_ms"], "host": ph["host_ms"]},
         "per_request_ms": per_request,
+        "load_factors": factors,
         "approximations": notes,
     }
 

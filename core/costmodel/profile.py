@@ -12,6 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
+from functools import partial
 
 import torch
 
@@ -43,7 +44,14 @@ class RunStats:
 
 @dataclass
 class Profile:
-    """Measured phase costs of one recipe plus the cost curves predict.py needs (ms throughout)."""
+    """Measured phase costs of one recipe plus the cost curves predict.py needs (ms throughout).
+
+    phases: mean ms per step; other_ms: total wall time outside steps (prefill, allocation);
+    verify_curve: nodes -> target forward; drafters: per drafter ("model", "early_exit:E") its forward
+    per width (curve), real draft() calls per chain depth (chain), their fit (fixed_ms per call, level_ms
+    per level beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms);
+    bytes: what one verify step reads (weights + KV at context_len).
+    """
 
     recipe: dict
     requests: int
@@ -59,13 +67,7 @@ class Profile:
     context_len: int
     target_layers: int
     verify_curve: dict[int, float]
-    drafter: str = ""
-    draft_curve: dict[int, float] = field(default_factory=dict)
-    draft_chain: dict[int, float] = field(default_factory=dict)
-    draft_fixed_ms: float = 0.0
-    draft_level_ms: float = 0.0
-    draft_dynamic: dict[str, float] = field(default_factory=dict)
-    drafter_prefill_ms: float = 0.0
+    drafters: dict[str, dict] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -75,9 +77,14 @@ class Profile:
     def from_dict(cls, data: dict) -> "Profile":
         """Inverse of to_dict, also after a JSON round trip (curve keys come back as strings)."""
         data = dict(data)
-        for key in ("verify_curve", "draft_curve", "draft_chain"):
-            data[key] = {int(k): float(v) for k, v in data.get(key, {}).items()}
+        data["verify_curve"] = _int_keys(data["verify_curve"])
+        data["drafters"] = {kind: {**d, "curve": _int_keys(d["curve"]), "chain": _int_keys(d["chain"])}
+                            for kind, d in data.get("drafters", {}).items()}
         return cls(**data)
+
+
+def _int_keys(curve: dict) -> dict[int, float]:
+    return {int(k): float(v) for k, v in curve.items()}
 
 
 def _sync(device: torch.device) -> None:
@@ -85,17 +92,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def median_ms(fn, device: torch.device, repeats: int) -> float:
-    """Median wall ms of `fn` after one warm-up call (the machine is noisy: medians, never means)."""
-    fn()
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+def median_ms(fns: dict, device: torch.device, repeats: int) -> dict:
+    """Median wall ms of each callable after a warm-up round; rounds go over all callables in turn, so a
+    burst of load on a shared machine lands on every key alike (medians, never means)."""
+    times: dict = {k: [] for k in fns}
+    for r in range(repeats + 1):
+        for key, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            _sync(device)
+            if r:
+                times[key].append((time.perf_counter() - t0) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def interpolate(curve: dict[int, float], x: float) -> float:
@@ -179,14 +187,14 @@ def forward_curve(model: Transformer, context: int, widths: tuple[int, ...], rep
     """Median ms of one forward of w tree nodes (a chain mask) on a `context`-token prefix, per width."""
     dev = model.device
     cache = _filled_cache(model, context, max(widths))
-    curve = {}
+    fns = {}
+    for w in widths:
+        toks = torch.randint(0, model.cfg.vocab_size, (1, w), generator=torch.Generator().manual_seed(w)).to(dev)
+        depths = torch.arange(w, device=dev)[None]
+        anc = None if w == 1 else torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))[None]
+        fns[w] = partial(model.step, toks, cache, cache.lengths, depths, anc)
     with torch.inference_mode():
-        for w in widths:
-            toks = torch.randint(0, model.cfg.vocab_size, (1, w), generator=torch.Generator().manual_seed(w)).to(dev)
-            depths = torch.arange(w, device=dev)[None]
-            anc = None if w == 1 else torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))[None]
-            curve[w] = median_ms(lambda: model.step(toks, cache, cache.lengths, depths, anc), dev, repeats)
-    return curve
+        return median_ms(fns, dev, repeats)
 
 
 def draft_calls(model: Transformer, prompt: list[int], repeats: int,
@@ -198,12 +206,13 @@ def draft_calls(model: Transformer, prompt: list[int], repeats: int,
     with torch.inference_mode():
         tree = drafter.draft(TreeSpec("static", chain_paths(1)), mode, [True])[0]
         drafter.commit([0], [[]], [[tree.tokens[-1]]])
-        chain = {d: median_ms(lambda: drafter.draft(TreeSpec("static", chain_paths(d)), mode, [True]), model.device,
-                              repeats) for d in CHAIN_DEPTHS}
         depth, topk, budget = dynamic
-        spec = TreeSpec("dynamic", depth=depth, topk=topk, budget=budget)
-        dyn = median_ms(lambda: drafter.draft(spec, mode, [True]), model.device, repeats)
-    return chain, dyn
+        specs = {d: TreeSpec("static", chain_paths(d)) for d in CHAIN_DEPTHS}
+        specs["dynamic"] = TreeSpec("dynamic", depth=depth, topk=topk, budget=budget)
+        ms = median_ms({k: partial(drafter.draft, spec, mode, [True]) for k, spec in specs.items()}, model.device,
+                       repeats)
+    dyn = ms.pop("dynamic")
+    return ms, dyn
 
 
 def _fit(points: dict[int, float]) -> tuple[float, float]:
@@ -214,15 +223,35 @@ def _fit(points: dict[int, float]) -> tuple[float, float]:
     return statistics.median(points[x] - slope * x for x in xs), slope
 
 
-def draft_model(engine: Engine, recipe: Recipe) -> tuple[str, Transformer | None]:
-    """The drafter network the profile measures: the recipe's, else the deployment's drafter checkpoint."""
+def drafter_models(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
+    """Drafter networks worth costing: the drafter checkpoint and the target's early exit (the recipe's
+    exit layer, else half the layers), keyed "model" and "early_exit:E"."""
     target, drafter = engine.models_for(recipe)
-    if recipe.draft.method == "early_exit":
-        layers = recipe.draft.exit_layer or target.cfg.num_layers // 2
-        return f"early_exit:{layers}", target.truncated(layers)
-    if drafter is not None:
-        return "model", drafter
-    return "", None
+    layers = recipe.draft.exit_layer or target.cfg.num_layers // 2
+    out = {"model": drafter} if drafter is not None else {}
+    if 0 < layers < target.cfg.num_layers:
+        out[f"early_exit:{layers}"] = target.truncated(layers)
+    return out
+
+
+def drafter_costs(model: Transformer, context: int, prompt: list[int], widths: tuple[int, ...], repeats: int,
+                  dynamic: tuple[int, int, int]) -> dict:
+    """Forward ms per width, real draft() ms per chain depth, their fit, a dynamic tree's extra, prefill."""
+    curve = forward_curve(model, context, widths, repeats)
+    chain, dyn_ms = draft_calls(model, prompt, repeats, dynamic)
+    fixed, per_level = _fit(chain)
+    level = per_level - curve[1]
+    depth, topk, budget = dynamic
+    modelled = fixed + depth * level + curve[1] + (depth - 1) * interpolate(curve, topk)
+    return {
+        "curve": curve,
+        "chain": chain,
+        "fixed_ms": fixed,
+        "level_ms": level,
+        "dynamic": {"depth": depth, "topk": topk, "budget": budget, "ms": dyn_ms,
+                    "extra_ms_per_level": (dyn_ms - modelled) / depth},
+        "prefill_ms": forward_curve(model, 1, (len(prompt),), 3)[len(prompt)],
+    }
 
 
 def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
@@ -239,7 +268,9 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     out_len = statistics.fmean(len(t) for t in run.tokens) if run.tokens else 0.0
     context = max(1, round(prompt_len + out_len / 2))
     context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
-    widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
+    packed = recipe.weights.format == "packed12"
+    weights = weight_bytes(target, packed)
+    kv = kv_bytes(target, context)
     prof = Profile(
         recipe=recipe.to_dict(),
         requests=len(run.tokens),
@@ -255,26 +286,12 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         context_len=context,
         target_layers=target.num_layers,
         verify_curve=forward_curve(target, context, NODES, repeats),
+        bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context},
     )
-    packed = recipe.weights.format == "packed12"
-    weights = weight_bytes(target, packed)
-    kv = kv_bytes(target, context)
-    prof.bytes = {"weights": weights, "kv": kv, "total": weights + kv, "context_len": context}
-    kind, model = draft_model(engine, recipe)
-    if model is not None:
-        prof.drafter = kind
-        prof.draft_curve = forward_curve(model, context, widths, repeats)
-        prompt = max(prompts, key=len)[: max(2, round(prompt_len))]
-        dyn_shape = ((recipe.tree.depth, recipe.tree.topk, recipe.tree.budget) if recipe.tree.policy == "dynamic"
-                     else DYNAMIC_SHAPE)
-        prof.draft_chain, dyn_ms = draft_calls(model, prompt, repeats, dyn_shape)
-        fixed, per_level = _fit(prof.draft_chain)
-        prof.draft_fixed_ms = fixed
-        prof.draft_level_ms = per_level - prof.draft_curve[1]
-        depth, topk, budget = dyn_shape
-        modelled = fixed + depth * prof.draft_level_ms + prof.draft_curve[1] + (depth - 1) * interpolate(
-            prof.draft_curve, topk)
-        prof.draft_dynamic = {"depth": depth, "topk": topk, "budget": budget, "ms": dyn_ms,
-                              "extra_ms_per_level": (dyn_ms - modelled) / depth}
-        prof.drafter_prefill_ms = forward_curve(model, 1, (max(1, round(prompt_len)),), 3)[max(1, round(prompt_len))]
+    widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
+    prompt = max(prompts, key=len)[: max(2, round(prompt_len))]
+    dynamic = ((recipe.tree.depth, recipe.tree.topk, recipe.tree.budget) if recipe.tree.policy == "dynamic"
+               else DYNAMIC_SHAPE)
+    for kind, model in drafter_models(engine, recipe).items():
+        prof.drafters[kind] = drafter_costs(model, context, prompt, widths, repeats, dynamic)
     return prof

@@ -9,10 +9,10 @@ the same scores the drafter drafts with) and probability of the token the target
 Simulation walks each request as the engine does: from the root at position i accept depth d while the
 ranks r[i+1..i+d] form a path of the tree, emit d + 1 tokens (the bonus), continue at i + d + 1, and stop
 once the request's output is complete. Along an accepted path the drafter saw exactly the true context,
-so for static trees (chains included) the result equals a real greedy run in float32. The n-gram drafter
-is simulated by running the engine's own NgramDrafter over the same sequences (deterministic).
-Dynamic trees depend on the drafter's scores off the true path, which the replay does not keep: they are
-approximated by the best static tree of the same budget and depth.
+so for static trees (chains included) the result equals a real greedy run in float32. Dynamic trees
+depend on the drafter's scores off the true path, which the ranks do not keep, and the n-gram drafter on
+the context: both are replayed by running the engine's own drafter at each step on the true context and
+walking its tree along the target's tokens (drafter calls only, never the target), which is exact too.
 """
 
 from __future__ import annotations
@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 import torch
 
 from core.costmodel import trees
+from core.engine import Engine
 from core.engine.decode import Verification, generate
-from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+from core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.sampling import seeded_scores
 from core.engine.tree import chain_paths, static_prefixes
+from core.recipe import Recipe
 
 DEFAULT_MAX_DEPTH = 8
 DEFAULT_EXTRA = 16
@@ -81,6 +83,8 @@ class Replay:
     method: str
     traces: list[Trace]
     ngram_max: int = 3
+    model: Transformer | None = field(default=None, repr=False)
+    verification: Verification = field(default_factory=Verification)
     _sims: dict = field(default_factory=dict, repr=False)
     _frontier: dict = field(default_factory=dict, repr=False)
 
@@ -140,7 +144,7 @@ def teacher_force(drafter: Transformer, traces: list[Trace], method: str = "mode
             ranks = (scores > s).sum(1) + ((scores == s) & (vocab < true)).sum(1)
             t.ranks = [-1] * t.prompt_len + ranks.tolist()
             t.probs = [0.0] * t.prompt_len + s[:, 0].exp().tolist()
-    return Replay(method, traces)
+    return Replay(method, traces, model=drafter, verification=ver)
 
 
 def ngram_replay(traces: list[Trace], ngram_max: int = 3) -> Replay:
@@ -177,17 +181,24 @@ def _run_ranks(replay: Replay, nodes: list[tuple[int, ...]]) -> Simulation:
     return Simulation(accepted, counts, sum(t.n_out for t in replay.traces))
 
 
-def _run_ngram(replay: Replay, spec: TreeSpec) -> Simulation:
+def _run_drafter(replay: Replay, spec: TreeSpec) -> Simulation:
+    """Run the engine's own drafter at every step on the true context and walk its tree along the
+    target's tokens: exact for any tree policy, and it costs drafter calls only (never the target)."""
     accepted, counts, draft_s, calls = [], [], 0.0, 0
-    mode = DraftMode()
+    ver = replay.verification
     for t in replay.traces:
-        drafter = NgramDrafter(replay.ngram_max)
-        drafter.reset([t.tokens[: t.prompt_len]], 0)
+        if replay.model is None:
+            drafter: Drafter = NgramDrafter(replay.ngram_max)
+        else:
+            drafter = ModelDrafter(replay.model)
+        mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, torch.tensor([t.request_id]))
+        drafter.reset([t.tokens[: t.prompt_len]], len(t.tokens) + 2 * spec.max_nodes + 4)
         i, emitted, steps, sizes = t.prompt_len - 1, 0, [], []
         last = len(t.tokens) - 1
         while emitted < t.n_out and i < last:
             t0 = time.perf_counter()
-            tree = drafter.draft(spec, mode, [True])[0]
+            with torch.inference_mode():
+                tree = drafter.draft(spec, mode, [True])[0]
             draft_s += time.perf_counter() - t0
             calls += 1
             children = {(tree.parents[k], tree.tokens[k]): k for k in range(1, len(tree))}
@@ -196,7 +207,8 @@ def _run_ngram(replay: Replay, spec: TreeSpec) -> Simulation:
                 node = children[(node, t.tokens[i + len(path) + 1])]
                 path.append(node)
             d = len(path)
-            drafter.commit([0], [path], [t.tokens[i + 1: i + d + 2]])
+            with torch.inference_mode():
+                drafter.commit([0], [path], [t.tokens[i + 1: i + d + 2]])
             steps.append(d + 1)
             sizes.append(len(tree))
             emitted += d + 1
@@ -207,13 +219,15 @@ def _run_ngram(replay: Replay, spec: TreeSpec) -> Simulation:
 
 
 def run(replay: Replay, spec: TreeSpec | list[list[int]]) -> Simulation:
-    """Replay a tree shape (rank paths, or a TreeSpec; dynamic model trees: best static of that budget)."""
+    """Replay a tree shape: rank paths or a TreeSpec. Static trees walk the recorded ranks; dynamic trees
+    and the n-gram drafter run the drafter itself on the true contexts (a replay without its model, e.g.
+    one loaded from JSON, approximates a dynamic tree by the best static tree of its budget and depth)."""
     if not isinstance(spec, TreeSpec):
         spec = TreeSpec("static", [list(p) for p in spec])
-    if replay.method == "ngram":
-        key = ("ngram", spec.kind, tuple(map(tuple, spec.paths or [])), spec.depth, spec.topk, spec.budget)
+    if replay.method == "ngram" or (spec.kind == "dynamic" and replay.model is not None):
+        key = ("drafter", spec.kind, tuple(map(tuple, spec.paths or [])), spec.depth, spec.topk, spec.budget)
         if key not in replay._sims:
-            replay._sims[key] = _run_ngram(replay, spec)
+            replay._sims[key] = _run_drafter(replay, spec)
         return replay._sims[key]
     if spec.kind == "dynamic":
         spec = TreeSpec("static", best_tree(replay, spec.budget, spec.depth))
@@ -269,3 +283,31 @@ def best_tree(replay: Replay, budget: int, max_depth: int = DEFAULT_MAX_DEPTH) -
     if budget < 1:
         raise ValueError(f"budget must be at least 1 node, got {budget}")
     return _frontier(replay, budget, max_depth)[budget - 1][1]
+
+
+def replay_for(engine: Engine, recipe: Recipe, traces: list[Trace], made: dict | None = None) -> Replay:
+    """The replay of the recipe's drafter on the recorded traces (memoised in `made` per drafter)."""
+    made = {} if made is None else made
+    target, drafter = engine.models_for(recipe)
+    d = recipe.draft
+    layers = d.exit_layer or target.cfg.num_layers // 2
+    key = {"ngram": f"ngram:{d.ngram_max}", "early_exit": f"early_exit:{layers}"}.get(d.method, "model")
+    if key not in made:
+        if d.method == "ngram":
+            made[key] = ngram_replay(traces, d.ngram_max)
+        else:
+            model = target.truncated(layers) if d.method == "early_exit" else drafter
+            if model is None:
+                raise ValueError("draft.method = 'model' needs a drafter checkpoint to replay")
+            made[key] = teacher_force(model, _copy(traces), d.method, choice_rule(recipe))
+    return made[key]
+
+
+def choice_rule(recipe: Recipe) -> Verification:
+    """How the target chose for this recipe: seeded recipes seeded, everything else greedy."""
+    v = recipe.verify
+    return Verification(v.sampling, v.temperature, v.top_p, v.seed) if v.sampling == "seeded" else Verification()
+
+
+def _copy(traces: list[Trace]) -> list[Trace]:
+    return [Trace(list(t.tokens), t.prompt_len, t.n_out, t.request_id) for t in traces]

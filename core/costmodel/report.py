@@ -21,7 +21,6 @@ from core.costmodel.predict import predict, predict_detail
 from core.costmodel.probe import probe
 from core.costmodel.profile import Profile, profile, timed_run
 from core.engine import Engine
-from core.engine.decode import Verification
 from core.engine.engine import tree_spec
 from core.engine.model import DTYPES
 from core.engine.tree import chain_paths
@@ -33,33 +32,6 @@ CHAIN_DEPTHS = tuple(range(1, 9))
 
 def dtype_name(engine: Engine) -> str:
     return next(k for k, v in DTYPES.items() if v == engine.target.dtype)
-
-
-def replay_for(engine: Engine, recipe: Recipe, traces: list[rp.Trace], made: dict | None = None) -> rp.Replay:
-    """The replay of the recipe's drafter on the recorded traces (memoised in `made` per drafter)."""
-    made = {} if made is None else made
-    target, drafter = engine.models_for(recipe)
-    d = recipe.draft
-    layers = d.exit_layer or target.cfg.num_layers // 2
-    key = {"ngram": f"ngram:{d.ngram_max}", "early_exit": f"early_exit:{layers}"}.get(d.method, "model")
-    if key not in made:
-        if d.method == "ngram":
-            made[key] = rp.ngram_replay(traces, d.ngram_max)
-        else:
-            model = target.truncated(layers) if d.method == "early_exit" else drafter
-            if model is None:
-                raise ValueError("draft.method = 'model' needs a drafter checkpoint to replay")
-            made[key] = rp.teacher_force(model, _copy(traces), d.method, _verification(recipe))
-    return made[key]
-
-
-def _verification(recipe: Recipe) -> Verification:
-    v = recipe.verify
-    return Verification(v.sampling, v.temperature, v.top_p, v.seed) if v.sampling == "seeded" else Verification()
-
-
-def _copy(traces: list[rp.Trace]) -> list[rp.Trace]:
-    return [rp.Trace(list(t.tokens), t.prompt_len, t.n_out, t.request_id) for t in traces]
 
 
 def _depth(recipe: Recipe) -> int:
@@ -96,17 +68,18 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
             batching_ms_per_token: float = 0.0, repeats: int = 7, candidates: tuple[Recipe, ...] = ()) -> dict:
     """Profile, replay and bound `recipe` on the requests; the JSON-ready cost report of a round.
 
-    `candidates` are predicted too (key "predictions"), each on its own drafter's replay of the same outputs.
+    `candidates` are predicted too (key "predictions": tokens/s and speedup over the incumbent's prediction,
+    which is robust to machine drift), each on its own drafter's replay of the same outputs.
     """
     hw = probe_result or probe(str(engine.device), dtype_name(engine))
     run = timed_run(engine, recipe, prompts, limits, request_ids)
     prof = profile(engine, recipe, prompts, limits, run, request_ids, repeats)
     target, drafter = engine.models_for(recipe)
     extra = max(max_depth, *(_depth(r) for r in (recipe, *candidates))) + 2
-    traces = rp.record(target, prompts, limits, extra, _verification(recipe), request_ids)
+    traces = rp.record(target, prompts, limits, extra, rp.choice_rule(recipe), request_ids)
     made: dict = {}
-    own = replay_for(engine, recipe, traces, made)
-    search = replay_for(engine, recipe.replace(draft={"method": "model"}), traces, made) if drafter else own
+    own = rp.replay_for(engine, recipe, traces, made)
+    search = rp.replay_for(engine, recipe.replace(draft={"method": "model"}), traces, made) if drafter else own
     chain = {k: rp.simulate(search, chain_paths(k)) for k in CHAIN_DEPTHS}
     best = {b: rp.simulate(search, rp.best_tree(search, b, max_depth)) for b in budgets}
     incumbent = rp.run(own, tree_spec(recipe)).mean_accepted
@@ -115,10 +88,12 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     report = gaps(prof, floor_ms, best_length, batching_ms_per_token)
     measured_tps = 1e3 / report["measured_ms_per_token"]
     ceiling_tps = 1e3 / report["ceiling_ms_per_token"]
+    predicted = predict(prof, own, recipe)
     predictions = []
     for cand in candidates:
-        detail = predict_detail(prof, replay_for(engine, cand, traces, made), cand)
+        detail = predict_detail(prof, rp.replay_for(engine, cand, traces, made), cand)
         predictions.append({"recipe": cand.name, "predicted_tokens_per_s": detail["tokens_per_s"],
+                            "predicted_speedup": detail["tokens_per_s"] / predicted,
                             "mean_accepted_length": detail["mean_accepted_length"],
                             "approximations": detail["approximations"]})
     return {
@@ -127,7 +102,7 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         "tokens": prof.tokens,
         "measured_tokens_per_s": measured_tps,
         "ceiling_tokens_per_s": ceiling_tps,
-        "predicted_tokens_per_s": predict(prof, own, recipe),
+        "predicted_tokens_per_s": predicted,
         "above_ceiling": measured_tps > ceiling_tps,
         "floor_verify_ms": floor_ms,
         **report,
