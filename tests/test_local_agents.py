@@ -192,7 +192,9 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     report = {"gaps": [{"component": "host", "ms_per_token": 0.2}, {"component": "drafting", "ms_per_token": 0.9},
                        {"component": "verify", "ms_per_token": 0.5}], "largest_gap": "drafting"}
     names = [a.name for a in local_agents_for(report, 3, [])]
-    assert names == ["drafter-choice", "weight-format", "runtime"]
+    assert names == ["drafter-choice", "draft-length", "tree-shape"]
+    on_gpu = {**report, "probe": {"device": "cuda:0"}}
+    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "weight-format", "runtime"]
     memory = [{"mechanism": "m", "fragment": {"tree": {"depth": 6}}, "fingerprint": "x", "effect": 1.1}]
     assert [a.name for a in local_agents_for(report, 2, memory, builtin("stock"))] == ["memory", "drafter-choice"]
     assert local_agents_for(report, 2, memory, builtin("chain6"))[0].name == "drafter-choice"
@@ -207,7 +209,7 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test")
     agents = make_agents("claude:2,local:2", 0, "m", report=report, memory=[], incumbent=builtin("stock"))
     assert [type(a) for a in agents[:2]] == [ClaudeAgent, ClaudeAgent]
-    assert [a.name for a in agents] == ["claude-1", "claude-2", "drafter-choice", "weight-format"]
+    assert [a.name for a in agents] == ["claude-1", "claude-2", "drafter-choice", "draft-length"]
     assert make_agents("local:1", 0, "m", memory_nonempty=True)[0].name == "memory"
 
 

@@ -493,10 +493,14 @@ def _fingerprint(deployment: dict[str, Any]) -> str | None:
         return None
 
 
+WeightFormatAgent.cuda_only = True
+RuntimeAgent.cuda_only = True
+BatchingAgent.needs_batch = True
+
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "acceptance": (TreeShapeAgent, DraftLengthAgent),
     "drafting": (DrafterChoiceAgent, DraftLengthAgent),
-    "verify": (WeightFormatAgent, TreeShapeAgent),
+    "verify": (WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (RuntimeAgent, DraftLengthAgent),
     "batching": (BatchingAgent,),
 }

@@ -79,7 +79,16 @@ def _pick(report: dict[str, Any] | None, n: int, with_memory: bool) -> list[type
             if tier < len(classes) and classes[tier] not in chosen:
                 chosen.append(classes[tier])
     chosen += [c for c in DEFAULT_ORDER if c not in chosen]
-    return chosen[:n]
+    useful = [c for c in chosen if _fits(c, report)]
+    return (useful + [c for c in chosen if c not in useful])[:n]
+
+
+def _fits(cls: type[LocalAgent], report: dict[str, Any] | None) -> bool:
+    """Whether an agent's mechanism can apply here: CUDA-only ones wait on a CPU, batching at batch 1."""
+    device = str(((report or {}).get("probe") or {}).get("device", "cpu"))
+    if getattr(cls, "cuda_only", False) and not device.startswith("cuda"):
+        return False
+    return not (getattr(cls, "needs_batch", False) and int((report or {}).get("batch_size", 1)) <= 1)
 
 
 def local_agents_for(report: dict[str, Any] | None, n: int, memory: list[dict[str, Any]] | None,
