@@ -17,7 +17,7 @@ fi
 .venv/bin/pip install --quiet -e ".[dev]"
 case "$mode" in
   demo)
-    exec .venv/bin/specpilot run --rounds 3 --agents local:4 --auto --headless "$@"
+    exec .venv/bin/specpilot run --rounds 3 --agents local:4 --auto --headless --max-requests 8 "$@"
     ;;
   test)
     exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
