@@ -36,7 +36,12 @@ class LoopConfig:
     max_new_tokens: int | None = None
     seed: int = 0
     limit_s: float = 120.0
-    workdir: str = ".specpilot"
+    workdir: str | None = None  # candidate workspaces; default: .specpilot next to the store
+
+
+def default_workdir(db: str) -> str:
+    """Candidate workspaces live next to the store they belong to (./.specpilot for ./store.db)."""
+    return str(Path(db).resolve().parent / ".specpilot")
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Pending:
     verdict: Any = None
     candidate: Any = None
     decision: str | None = None
+    recorded: bool = False  # the decision is stored and its event emitted: the loop may act on it
 
 
 class Loop:
@@ -68,26 +74,39 @@ class Loop:
         self.run_id: int | None = None
         self.round = 0
         self._emit_to: Emit | None = None
+        self._events = threading.RLock()  # stored order == emitted order, whichever thread emits
+        self._current = "measuring"
         self._lock = threading.Lock()
         self._decided = threading.Condition(self._lock)
         self._pending: dict[str, Pending] = {}
         self._running = threading.Event()
         self._running.set()
         self._stop = False
+        self.judge: Judge | None = None
 
     # -- control (any thread) -------------------------------------------------------------------------
     def pause(self) -> None:
+        """Pause at the next step boundary (the step in flight finishes)."""
+        if not self._running.is_set() or self._current in ("done", "failed"):
+            return
         self._running.clear()
         self._event("state", {"state": "paused"})
 
     def resume(self) -> None:
-        self._running.set()
+        if self._running.is_set():
+            return
         self._event("notice", {"message": "resumed"})
+        self._event("state", {"state": self._current})
+        self._running.set()
 
     def stop(self) -> None:
+        """End the run at the next step boundary: candidates not yet judged are skipped, the round in flight
+        is finished with what was decided, and the run is stored as stopped."""
         with self._decided:
             self._stop = True
             self._decided.notify_all()
+        if self.run_id is not None and self._current not in ("done", "failed"):
+            self._event("notice", {"message": "stopping at the next step boundary"})
         self._running.set()
 
     def decide(self, cid: str, decision: str, note: str = "") -> None:
@@ -103,20 +122,29 @@ class Loop:
                                       "a failed gate")
             if p.decision is not None:
                 raise DecisionRefused(f"candidate {cid} was already decided ({p.decision})")
-            p.decision = decision
+            p.decision = decision  # claimed: a second decision is refused from here on
+        try:
+            self.store.add_decision(cid, decision, note, "user")
+            self._event("decision", {"cid": cid, "decision": decision, "note": note, "by": "user"})
+        except Exception:
+            with self._decided:
+                p.decision = None
+            raise
+        with self._decided:
+            p.recorded = True
             self._decided.notify_all()
-        self.store.add_decision(cid, decision, note, "user")
-        self._event("decision", {"cid": cid, "decision": decision, "note": note, "by": "user"})
 
     # -- events ---------------------------------------------------------------------------------------
     def _event(self, kind: str, payload: dict) -> None:
         if self.run_id is None:
             return
-        stored = self.store.append_event(self.run_id, Event(kind, payload, self.run_id, self.round or None))
-        if self._emit_to is not None:
-            self._emit_to(stored)
+        with self._events:
+            stored = self.store.append_event(self.run_id, Event(kind, payload, self.run_id, self.round or None))
+            if self._emit_to is not None:
+                self._emit_to(stored)
 
     def _state(self, state: str) -> None:
+        self._current = state
         self._event("state", {"state": state})
 
     def _checkpoint(self) -> None:
@@ -137,6 +165,9 @@ class Loop:
             self._state("failed")
             self.store.finish_run(self.run_id, "failed", {"error": str(exc)})
             raise
+        finally:
+            if self.judge is not None:
+                self.judge.close()  # the resident baseline worker
         self.store.finish_run(self.run_id, "stopped" if self._stop else "done", summary)
         self._event("run_finished", {"run": self.run_id, "summary": summary})
         self._state("done")
@@ -146,25 +177,27 @@ class Loop:
         from core.setup import prepare
 
         cfg, d = self.config, self.config.deployment
+        memory = self.store.memory(d.fingerprint())
+        here = sum(1 for m in memory if m.get("fingerprint") == d.fingerprint())
         self._event("run_started", {"run": self.run_id, "deployment": d.to_dict(), "agents": [cfg.agents],
-                                    "auto": cfg.auto})
-        self.workspace = Path(cfg.workdir) / f"run-{self.run_id}"
+                                    "auto": cfg.auto, "memory": len(memory)})
+        if memory:
+            self._event("notice", {"message": f"memory: starting from {len(memory)} validated mechanism(s) "
+                                              f"({here} from this deployment)"})
+        self.workspace = Path(cfg.workdir or default_workdir(cfg.db)) / f"run-{self.run_id}"
         (self.workspace / "plugins").mkdir(parents=True, exist_ok=True)
         ctx = prepare(d, cfg.max_requests, cfg.max_new_tokens, cfg.seed)
         self.ctx = ctx
         stock = builtin("stock")
         self._state("measuring")
-        judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, cfg.limit_s, cfg.seed)
-        calibration = judge.calibrate(stock, stock)
+        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, cfg.limit_s, cfg.seed)
+        calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
         self._event("notice", {"message": f"noise floor {calibration['noise_floor']:.3f} (A/A on "
                                           f"{len(ctx.tuning)} tuning requests); stock forcing rate "
                                           f"{calibration['stock_forcing']['rate']:.4f}"})
-        stock_vs_ar = judge.measure(None, stock, ctx.heldout)
+        stock_vs_ar = calibration["incumbent_vs_ar"]
         incumbent, inc_ws = stock, None
         standing = {"vs_ar": stock_vs_ar.speedup, "vs_stock": 1.0, "interval": [stock_vs_ar.low, stock_vs_ar.high]}
-        memory = self.store.memory(d.fingerprint())
-        if memory:
-            self._event("notice", {"message": f"memory: {len(memory)} validated mechanism(s) to start from"})
         rounds = []
         for index in range(1, cfg.rounds + 1):
             if self._stop:
@@ -181,23 +214,24 @@ class Loop:
             round_id = self.store.start_round(self.run_id, index, {k: report[k] for k in (
                 "measured_tokens_per_s", "ceiling_tokens_per_s", "gaps", "largest_gap")})
             self._checkpoint()
-            candidates = self._propose(index, incumbent, report, memory)
+            candidates = self._propose(index, incumbent, inc_ws, report, memory)
             self._state("judging")
             pending = self._judge(judge, candidates, incumbent, inc_ws, round_id)
             approved = self._await_decisions(pending)
+            self._checkpoint()
             self._state("integrating")
             new, new_ws, evidence = self._integrate(judge, approved, incumbent, inc_ws)
+            previous = incumbent
             if new is not incumbent:
-                vs_ar = judge.measure(None, new, ctx.heldout, new_ws)
-                vs_stock = judge.measure(stock, new, ctx.heldout, new_ws)
+                vs_ar, vs_stock = judge.standing(new, stock, ctx.heldout, new_ws)
                 standing = {"vs_ar": vs_ar.speedup, "vs_stock": vs_stock.speedup,
                             "interval": [vs_stock.low, vs_stock.high]}
                 incumbent, inc_ws = new, new_ws
-                self._remember(evidence, incumbent)
             inc = {"round": index, "recipe": incumbent.to_toml(), "heldout_speedup_vs_ar": standing["vs_ar"],
                    "heldout_speedup_vs_stock": standing["vs_stock"], "interval": standing["interval"],
                    "ceiling_speedup_vs_ar": ceiling_vs_ar, "stock_speedup_vs_ar": stock_vs_ar.speedup}
-            with self.store.transaction():
+            with self._events, self.store.transaction():  # a finished round is stored whole, or not at all
+                self._remember(evidence, previous)
                 self._event("incumbent", inc)
                 self._event("round_finished", {"round": index})
                 self.store.finish_round(round_id, inc)
@@ -212,7 +246,8 @@ class Loop:
                 "stock_heldout_speedup_vs_ar": stock_vs_ar.speedup, "rounds": rounds}
 
     # -- steps ----------------------------------------------------------------------------------------
-    def _propose(self, index: int, incumbent: Recipe, report: dict, memory: list[dict]) -> list[tuple[str, Any]]:
+    def _propose(self, index: int, incumbent: Recipe, inc_ws: Path | None, report: dict,
+                 memory: list[dict]) -> list[tuple[str, Any]]:
         from core.agents.base import AgentContext
         from core.agents.registry import directions, make_agents
 
@@ -224,9 +259,8 @@ class Loop:
 
         def work(i: int) -> None:
             agent = agents[i]
-            cid = f"r{index}-c{i + 1}"
-            ws = self.workspace / cid
-            (ws / "plugins").mkdir(parents=True, exist_ok=True)
+            cid = f"{self.run_id}-r{index}-c{i + 1}"  # unique across the store: runs share it
+            ws = self._candidate_workspace(cid, inc_ws)
             self._event("agent_started", {"cid": cid, "agent": agent.name, "direction": dirs[i]})
             context = AgentContext(deployment=self.config.deployment.to_dict(), recipe=incumbent, cost_report=report,
                                    memory=memory, direction=dirs[i], workspace=ws,
@@ -246,15 +280,25 @@ class Loop:
 
     def _judge(self, judge: Judge, candidates: list[tuple[str, Any]], incumbent: Recipe, inc_ws, round_id: int) -> list[Pending]:
         from core.agents.base import AgentFailure
+        from core.agents.diffs import DiffError
 
         pending = []
         for cid, out in candidates:
             self._checkpoint()
+            if self._stop:
+                self._event("notice", {"message": f"{cid} not judged: the run is stopping"})
+                continue
             if isinstance(out, AgentFailure):
                 self._event("candidate_failed", {"cid": cid, "agent": out.agent, "reason": out.reason})
                 continue
             ws = self.workspace / cid
-            for rel, text in (out.files or {}).items():
+            try:
+                files = _checked_files(out.files)
+            except DiffError as exc:  # the applies gate: nothing outside the allow-list is ever written
+                self._event("candidate_failed", {"cid": cid, "agent": out.agent,
+                                                 "reason": f"diff did not apply: {exc}"})
+                continue
+            for rel, text in files.items():
                 path = ws / rel
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(text)
@@ -302,11 +346,11 @@ class Loop:
         for p in waiting:
             self._event("awaiting_decision", {"cid": p.cid})
         with self._decided:
-            while not self._stop and any(p.decision is None for p in waiting):
+            while not self._stop and any(not p.recorded for p in waiting):
                 self._decided.wait(timeout=0.5)
             for p in pending:
                 self._pending.pop(p.cid, None)
-        return [p for p in waiting if p.decision == "approve"]
+            return [p for p in waiting if p.recorded and p.decision == "approve"]
 
     def _integrate(self, judge: Judge, approved: list[Pending], incumbent: Recipe, inc_ws):
         """One winner becomes the incumbent; several are combined and re-judged together."""
@@ -317,7 +361,7 @@ class Loop:
         if len(approved) > 1:
             combined = _combine(incumbent, [p.recipe for p in sorted(approved, key=lambda p: -p.verdict.heldout.speedup)])
             if combined is not None and combined != best.recipe:
-                cid = f"r{self.round}-merge"
+                cid = f"{self.run_id}-r{self.round}-merge"
                 self._event("notice", {"message": f"integrating {len(approved)} winners into one recipe; re-judging"})
                 merged_ws = self.workspace / cid
                 (merged_ws / "plugins").mkdir(parents=True, exist_ok=True)
@@ -333,10 +377,22 @@ class Loop:
                                                   f"taking {best.cid}"})
         return choice, ws, evidence
 
-    def _remember(self, evidence: list[Pending], incumbent: Recipe) -> None:
+    def _candidate_workspace(self, cid: str, inc_ws: Path | None) -> Path:
+        """A candidate's workspace starts with the incumbent's plugins, so agents see (and recipes keep
+        using) the code the incumbent runs."""
+        ws = self.workspace / cid
+        (ws / "plugins").mkdir(parents=True, exist_ok=True)
+        if inc_ws is not None:
+            for f in (Path(inc_ws) / "plugins").glob("*.py"):
+                (ws / "plugins" / f.name).write_text(f.read_text())
+        return ws
+
+    def _remember(self, evidence: list[Pending], previous: Recipe) -> None:
+        """Store each winner's mechanism as the fields it changed relative to the incumbent it was made
+        against, with its held-out evidence."""
         d = self.config.deployment
         for p in evidence:
-            fragment = _fragment(p.verdict and p.recipe, self._previous_toml(p))
+            fragment = _fragment(p.recipe, previous.to_dict())
             comp = p.verdict.heldout
             self.store.add_memory({
                 "mechanism": p.candidate.title, "description": p.candidate.rationale, "fragment": fragment,
@@ -345,14 +401,6 @@ class Loop:
                 "evidence": {"run": self.run_id, "round": self.round, "cid": p.cid, "interval": [comp.low, comp.high],
                              "tuning": p.verdict.tuning.to_dict(), "heldout": comp.to_dict()},
             })
-
-    def _previous_toml(self, p: Pending) -> dict:
-        from core.agents.diffs import DiffError
-
-        try:
-            return _diff_base(p.candidate.diff)
-        except DiffError:
-            return {}
 
     @staticmethod
     def _candidate_summary(p: Pending) -> dict:
@@ -384,15 +432,25 @@ def _combine(incumbent: Recipe, winners: list[Recipe]) -> Recipe | None:
         return None
 
 
-def _diff_base(diff: str) -> dict:
-    """The recipe a candidate's recipe diff was made against (its '-' and context lines)."""
-    import tomllib
+def _checked_files(files: dict | None) -> dict[str, str]:
+    """A candidate's plugin files, each path checked against the allow-list (plugins/<name>.py inside the
+    workspace); raises DiffError naming the first path refused."""
+    from pathlib import PurePosixPath
 
-    lines = [line[1:] for line in diff.splitlines() if line[:1] in (" ", "-") and not line.startswith("---")]
-    try:
-        return tomllib.loads("\n".join(lines))
-    except tomllib.TOMLDecodeError:
-        return {}
+    from core.agents.base import PLUGIN_GLOB
+    from core.agents.diffs import AllowList, DiffError
+
+    allow = AllowList((PLUGIN_GLOB,))
+    out: dict[str, str] = {}
+    for rel, text in (files or {}).items():
+        pure = PurePosixPath(str(rel))
+        clean = str(PurePosixPath(*[p for p in pure.parts if p != "."])) if pure.parts else ""
+        if pure.is_absolute() or ".." in pure.parts or "\\" in str(rel) or not allow(clean):
+            raise DiffError(f"path {rel} is outside the allow-list: {allow.description}")
+        if not isinstance(text, str):
+            raise DiffError(f"{rel}: file content must be text")
+        out[clean] = text
+    return out
 
 
 def _fragment(recipe: Recipe, base: dict) -> dict:
@@ -410,11 +468,12 @@ def _fragment(recipe: Recipe, base: dict) -> dict:
 def config_from_args(args: argparse.Namespace) -> LoopConfig:
     import os
 
+    db = args.db or os.environ.get("SPECPILOT_DB") or "store.db"
     return LoopConfig(deployment=Deployment.from_args(args), rounds=args.rounds, agents=args.agents,
-                      model=getattr(args, "model", "claude-opus-5-5"), auto=args.auto,
-                      db=args.db or os.environ.get("SPECPILOT_DB") or "store.db",
+                      model=getattr(args, "model", None) or "claude-opus-5-5", auto=args.auto, db=db,
                       max_requests=getattr(args, "max_requests", None),
-                      max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0))
+                      max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0) or 0,
+                      workdir=os.environ.get("SPECPILOT_WORKDIR") or default_workdir(db))
 
 
 def build_loop(args: argparse.Namespace) -> Loop:

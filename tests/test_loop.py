@@ -1,0 +1,176 @@
+"""The search loop end to end, offline, on the mini deployment: `specpilot run --json` through the CLI, the
+stored event log, memory carried into a second run, and durability (SIGKILL mid-run, corrupt or foreign
+store files)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import mini_deployment
+from core.cli import main
+from core.events import GATES
+from core.store import Store
+
+SPECPILOT = Path(sys.executable).parent / "specpilot"
+CANDIDATE_KEYS = {"agent", "title", "gates", "verdict", "reason", "heldout_speedup", "interval"}
+INCUMBENT_KEYS = {"recipe", "heldout_speedup_vs_ar", "heldout_speedup_vs_stock", "interval"}
+
+
+@pytest.fixture(scope="module")
+def mini(tmp_path_factory):
+    root = tmp_path_factory.mktemp("loop")
+    return mini_deployment.build(root, requests=3, max_new_tokens=8)
+
+
+def run_argv(mini: dict, db: Path, *extra: str, rounds: int = 1, agents: str = "local:3") -> list[str]:
+    return ["run", "--target", mini["target"], "--drafter", mini["drafter"], "--workload", mini["workload"],
+            "--rounds", str(rounds), "--agents", agents, "--db", str(db), "--max-requests", "3",
+            "--max-new-tokens", "8", *extra]
+
+
+def cli(*argv: str, cwd: Path) -> subprocess.Popen:
+    command = [str(SPECPILOT)] if SPECPILOT.exists() else [sys.executable, "-m", "core.cli"]
+    return subprocess.Popen(command + list(argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+
+
+@pytest.fixture(scope="module")
+def first_run(mini, tmp_path_factory):
+    """`specpilot run --auto --headless --json`, one round with three local agents, in a subprocess."""
+    work = tmp_path_factory.mktemp("first")
+    db = work / "store.db"
+    proc = cli(*run_argv(mini, db, "--auto", "--headless", "--json"), cwd=work)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    return db, json.loads(out), err, work
+
+
+def test_cli_prints_the_json_summary(first_run):
+    db, summary, _, work = first_run
+    assert isinstance(summary["run"], int)
+    assert [r["index"] for r in summary["rounds"]] == [1]
+    rnd = summary["rounds"][0]
+    assert {"index", "largest_gap", "candidates", "incumbent"} <= set(rnd)
+    assert rnd["largest_gap"] in {"acceptance", "drafting", "verify", "host", "batching"}
+    assert rnd["candidates"], "three local agents proposed nothing to judge"
+    for c in rnd["candidates"]:
+        assert CANDIDATE_KEYS <= set(c)
+        assert c["verdict"] in ("win", "fail")
+        assert list(c["gates"]) == list(GATES[: len(c["gates"])])
+    assert INCUMBENT_KEYS <= set(rnd["incumbent"])
+    assert len(rnd["incumbent"]["interval"]) == 2
+    store = Store(db)
+    assert store.run(summary["run"])["summary"] == summary  # the printed summary is the stored one
+    assert (work / ".specpilot" / f"run-{summary['run']}").is_dir()  # workspaces next to the store
+
+
+def test_every_event_is_stored_in_order(first_run):
+    db, summary, _, _ = first_run
+    events = Store(db).events(summary["run"])
+    kinds = [e.kind for e in events]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert kinds[0] == "run_started" and kinds[-2:] == ["run_finished", "state"]
+    assert events[-1].payload == {"state": "done"}
+    order = [kinds.index(k) for k in ("round_started", "gaps", "agent_started", "candidate", "gate",
+                                      "incumbent", "round_finished", "run_finished")]
+    assert order == sorted(order)
+    assert events[-2].payload["summary"] == summary
+    for cid in {e.payload["cid"] for e in events if e.kind == "candidate"}:
+        gates = [e.payload["gate"] for e in events if e.kind == "gate" and e.payload["cid"] == cid]
+        assert gates == list(GATES[: len(gates)])
+        assert any(e.kind == "agent_chunk" and e.payload["cid"] == cid for e in events)
+
+
+def _round_finished(db: Path, run: int) -> bool:
+    try:
+        conn = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=1)
+        try:
+            return conn.execute("SELECT count(*) FROM event WHERE kind = 'round_finished' AND run_id = ?",
+                                (run,)).fetchone()[0] > 0
+        finally:
+            conn.close()
+    except sqlite3.Error:
+        return False
+
+
+def test_second_run_starts_from_memory_and_survives_sigkill(first_run, mini):
+    """A second run on the same deployment and store starts from the first run's validated mechanism; it is
+    killed with SIGKILL as soon as its first round is stored, and that round survives whole."""
+    db, summary, _, work = first_run
+    assert Store(db).memory(), "the first run validated no mechanism (its candidate did not win held-out)"
+    run = summary["run"] + 1
+    proc = cli(*run_argv(mini, db, "--auto", "--headless", rounds=3, agents="local:1"), cwd=work)
+    try:
+        deadline = time.monotonic() + 240
+        while not _round_finished(db, run):
+            assert proc.poll() is None, proc.communicate()[1][-3000:]
+            assert time.monotonic() < deadline, "round 1 of the second run never finished"
+            time.sleep(0.1)
+        os.kill(proc.pid, signal.SIGKILL)
+    finally:
+        proc.kill()
+        proc.communicate()
+    assert proc.returncode == -signal.SIGKILL
+    store = Store(db)
+    # durability: the finished round is there, whole, with its incumbent
+    rounds = store.list_rounds(run)
+    assert rounds[0]["index"] == 1 and rounds[0]["finished_at"] is not None
+    assert {"recipe", "heldout_speedup_vs_ar", "heldout_speedup_vs_stock", "interval"} <= set(rounds[0]["incumbent"])
+    events = store.events(run, upto_round=1)
+    assert [e.kind for e in events][-2:] == ["incumbent", "round_finished"]
+    assert [e.seq for e in events] == list(range(1, len(events) + 1))
+    assert store.list_rounds(summary["run"])[0]["incumbent"]["recipe"] == summary["rounds"][0]["incumbent"]["recipe"]
+    # memory: announced at the start, and the first round's first agent starts from it
+    assert events[0].kind == "run_started" and events[0].payload["memory"] >= 1
+    assert any(e.kind == "notice" and "memory" in e.payload["message"] for e in events)
+    memory_cids = {e.payload["cid"] for e in events if e.kind == "agent_started" and e.payload["agent"] == "memory"}
+    assert memory_cids, "round 1 of the second run had no memory agent"
+    chunks = "".join(e.payload["text"] for e in events if e.kind == "agent_chunk" and e.payload["cid"] in memory_cids)
+    assert "from memory" in chunks
+    titles = [e.payload["title"] for e in events if e.kind == "candidate" and e.payload["cid"] in memory_cids]
+    assert titles and titles[0].startswith("From memory")
+
+
+def test_bad_store_files_give_one_line_and_stay_unchanged(mini, tmp_path, capsys):
+    corrupt = tmp_path / "corrupt.db"
+    corrupt.write_bytes(b"this is not a database\x00" * 50)
+    foreign = tmp_path / "foreign.db"
+    conn = sqlite3.connect(foreign)
+    conn.execute("CREATE TABLE people (name TEXT)")
+    conn.execute("INSERT INTO people VALUES ('ada')")
+    conn.commit()
+    conn.close()
+    for path in (corrupt, foreign):
+        before = path.read_bytes()
+        assert main(run_argv(mini, path, "--auto", "--headless")) == 2
+        out, err = capsys.readouterr()
+        lines = err.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith("specpilot: error:") and str(path) in lines[0], err
+        assert "Traceback" not in err and out == ""
+        assert path.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["corrupt.db", "foreign.db"]
+
+
+@pytest.mark.parametrize("path", ["../../x.py", "core/judge.py", "/etc/passwd", "plugins/../x.py",
+                                  "plugins/sub/x.py", "plugins/x.txt", "recipe.toml", "plugins\\x.py"])
+def test_candidate_files_outside_the_allow_list_are_refused(path):
+    from core.agents.diffs import DiffError
+    from core.loop import _checked_files
+
+    with pytest.raises(DiffError, match="outside the allow-list"):
+        _checked_files({"plugins/ok.py": "x = 1\n", path: "x = 2\n"})
+
+
+def test_candidate_plugin_files_are_normalised():
+    from core.loop import _checked_files
+
+    assert _checked_files({"./plugins/foo.py": "x = 1\n"}) == {"plugins/foo.py": "x = 1\n"}
