@@ -223,6 +223,7 @@ class Loop:
             new, new_ws, evidence = self._integrate(judge, approved, incumbent, inc_ws)
             previous = incumbent
             if new is not incumbent:
+                new = new.replace(name=f"run{self.run_id}-round{index}")
                 vs_ar, vs_stock = judge.standing(new, stock, ctx.heldout, new_ws)
                 standing = {"vs_ar": vs_ar.speedup, "vs_stock": vs_stock.speedup,
                             "interval": [vs_stock.low, vs_stock.high]}

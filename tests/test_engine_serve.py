@@ -72,3 +72,18 @@ def test_expected_accepted_and_table_fallback():
     assert table.verify_ms(4, 2) == 3.0
     assert table.verify_ms(8, 2) == 6.0
     assert table.verify_ms(1, 9) == 1.2
+
+
+def test_long_prompt_joining_late_fits_the_cache(setup):
+    """A long prompt admitted while others decode is prefilled alone (no padded writes past the cache)."""
+    import torch
+
+    engine, _, _, _, table = setup
+    g = torch.Generator().manual_seed(9)
+    prompts = [torch.randint(0, 101, (n,), generator=g).tolist() for n in (6, 100, 5, 96)]
+    limits = [20, 20, 24, 20]
+    reference = [engine.generate([p], n, speculative=False).tokens[0] for p, n in zip(prompts, limits)]
+    spec = TreeSpec("static", chain_paths(4))
+    out = serve(engine.target, engine.drafter_for(engine_recipe()), prompts, limits, spec,
+                Policy("budget", spec, table), max_batch=2)
+    assert out.tokens == reference

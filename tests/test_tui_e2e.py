@@ -15,7 +15,8 @@ import pytest
 
 from test_tui_tmux import ROOT, TMUX, tmux, tui_command, wait_for_pane
 
-pytestmark = [pytest.mark.skipif(not Path(TMUX).exists(), reason="tmux is not installed"), pytest.mark.slow]
+pytestmark = [pytest.mark.skipif(not Path(TMUX).exists(), reason="tmux is not installed"), pytest.mark.slow,
+              pytest.mark.timeout(900)]
 
 
 def test_real_loop_approve_under_tmux(tmp_path: Path) -> None:
@@ -24,12 +25,12 @@ def test_real_loop_approve_under_tmux(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     env = {"SPECPILOT_CONFIG_DIR": str(tmp_path / "config"), "TERM": "xterm-256color",
            "TOKENIZERS_PARALLELISM": "false"}
-    args = ["--db", str(db), "--agents", "local:3", "--rounds", "1", "--max-requests", "4", "--max-new-tokens", "32"]
+    args = ["--db", str(db), "--agents", "local:4", "--rounds", "3", "--max-requests", "8"]
     command = (f"cd {shlex.quote(str(tmp_path))} && env {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} "
                f"{shlex.join(tui_command() + args)}; echo $? > {shlex.quote(str(status))}")
     tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24", command)
     try:
-        wait_for_pane(session, "AWAITING APPROVAL", timeout=420)
+        wait_for_pane(session, "AWAITING APPROVAL", timeout=780)
         cid = _awaiting(db)
         assert cid is not None
         tmux("send-keys", "-t", session, "a")

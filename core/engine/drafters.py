@@ -96,9 +96,12 @@ class ModelDrafter(Drafter):
         self.pending = []
 
     def admit(self, prompt: list[int]) -> int:
+        """Prefill the prompt (all but its last token) into the next row now, so later drafting steps only
+        ever feed a few pending tokens per row."""
         row = len(self.pending)
-        self.cache.lengths[row] = 0
-        self.pending.append(list(prompt))
+        with torch.inference_mode():
+            self.model.prefill_row(self.cache, row, list(prompt[:-1]))
+        self.pending.append([prompt[-1]])
         return row
 
     def move(self, src: int, dst: int) -> None:

@@ -58,6 +58,13 @@ class KVCache:
     def reset(self) -> None:
         self.lengths.zero_()
 
+    def row(self, index: int) -> "KVCache":
+        """One row as a batch-1 cache sharing this one's storage (to prefill a joining request alone)."""
+        view = object.__new__(KVCache)
+        view.k, view.v = self.k[:, index:index + 1], self.v[:, index:index + 1]
+        view.lengths, view.max_len = self.lengths[index:index + 1], self.max_len
+        return view
+
     def view(self, rows: int) -> "KVCache":
         """The first `rows` rows as a cache sharing this one's storage (active requests stay packed there)."""
         view = object.__new__(KVCache)
@@ -221,6 +228,17 @@ class Transformer:
                 return None
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
         return self.lm_head(self._norm(x, self.norm))
+
+    def prefill_row(self, cache: KVCache, row: int, tokens: list[int]) -> None:
+        """Write `tokens` into row `row` from slot 0 (other rows untouched) and set its length."""
+        view = cache.row(row)
+        view.lengths.zero_()
+        if tokens:
+            n, dev = len(tokens), self.device
+            self.step(torch.tensor([tokens], device=dev), view, view.lengths, torch.arange(n, device=dev)[None],
+                      torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None],
+                      logits_at=torch.zeros(1, 0, dtype=torch.long, device=dev))
+        view.lengths.fill_(len(tokens))
 
     def step(self, tokens: torch.Tensor, cache: KVCache, base: torch.Tensor, depths: torch.Tensor,
              ancestors: torch.Tensor | None, offset: int = 0,

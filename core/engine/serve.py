@@ -165,7 +165,7 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
             while queue and len(rows) < max_batch:
                 req = queue.pop(0)
                 row = len(rows)
-                _prefill(target, cache, row, prompts[req])
+                target.prefill_row(cache, row, prompts[req][:-1])
                 if speculative:
                     drafter.admit(prompts[req])
                 rows.append(req)
@@ -239,22 +239,6 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
             steps.append(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t1 - t0 + t5 - t4) * 1e3,
                                    sum(len(t) for t in trees), accepted))
     return GenerateResult(outputs, steps, time.perf_counter() - start)
-
-
-def _prefill(target: Transformer, cache, row: int, prompt: list[int]) -> None:
-    """Prefill one request's prompt (all but its last token) into row `row` while others wait."""
-    pre = prompt[:-1]
-    row_cache = object.__new__(type(cache))
-    row_cache.k, row_cache.v = cache.k[:, row:row + 1], cache.v[:, row:row + 1]
-    row_cache.lengths, row_cache.max_len = cache.lengths[row:row + 1], cache.max_len
-    row_cache.lengths.zero_()
-    if pre:
-        n = len(pre)
-        dev = target.device
-        target.step(torch.tensor([pre], device=dev), row_cache, row_cache.lengths, torch.arange(n, device=dev)[None],
-                    torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None],
-                    logits_at=torch.zeros(1, 0, dtype=torch.long, device=dev))
-    row_cache.lengths.fill_(len(pre))
 
 
 def _truncate(tree: DraftTree, depth: int) -> DraftTree:
