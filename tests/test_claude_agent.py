@@ -86,7 +86,7 @@ def test_request_caches_shared_prefix_and_puts_direction_last(server: SSEServer,
     assert (body["model"], body["max_tokens"], body["stream"]) == ("claude-test-model-2", 1000, True)
     [system] = body["system"]
     assert system["cache_control"] == {"type": "ephemeral"}
-    for part in ("build_tree", builtin("stock").to_toml(), '"largest_gap": "draft"', "deeper chain"):
+    for part in ("register_tree_policy", builtin("stock").to_toml(), '"largest_gap": "draft"', "deeper chain"):
         assert part in system["text"]
     assert "shorten draft time" not in system["text"]
     [message] = body["messages"]

@@ -24,16 +24,18 @@ A plugin is one file `plugins/<name>.py` in the run workspace. A recipe selects 
 math, numpy and torch; they run in the judge's worker subprocess, never in the loop process, and must be
 deterministic (no clocks, no unseeded randomness).
 
-Tree plugins (selected by tree.policy = "plugin:<name>") define:
+Tree plugins (selected by tree.policy = "plugin:<name>") register a policy when imported:
 
-    def build_tree(draft_logprobs, depth: int, budget: int) -> list[int]:
-        '''Shape the speculation tree for one step.
+    from core.engine.plugins import register_tree_policy
 
-        draft_logprobs: float tensor [depth, topk], the drafter's log-probabilities of its top-k tokens at
-        each depth along its greedy path. Return the tree as a parents array: parents[i] is the index of
-        node i's parent (-1 for the root, the last accepted token), parents[i] < i, at most `budget`
-        nodes and at most `depth` levels below the root. Node i's token is chosen by its rank among its
-        siblings (first child = rank 0).'''
+    def shape(tree) -> list[list[int]]:
+        '''Return the static tree to draft as rank paths: [[0, 0, 0], [1], [0, 1]] means the drafter's
+        top-1 chain of depth 3, its 2nd-ranked first token, and the 2nd-ranked child of its top-1 first
+        token (every prefix of a path is a node too). `tree` is the recipe's [tree] section (policy,
+        depth, budget, topk, paths): respect tree.budget (nodes) and tree.depth (levels).'''
+        return [[0] * tree.depth] + [[r] for r in range(1, min(tree.topk, tree.budget - tree.depth + 1))]
+
+    register_tree_policy("<name>", shape)
 
 The verifier checks every tree exactly (losslessness never depends on the plugin); a plugin only changes
 how much speculation each step buys and what it costs.
