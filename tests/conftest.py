@@ -24,3 +24,23 @@ def tiny_pair(tmp_path_factory):
             p.add_(torch.randn_like(p) * 0.02)
     drafter.save_pretrained(root / "drafter")
     return root / "target", root / "drafter", target
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread: on a small shared CPU two threads spin against each other (20x slower)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def pair_engine(tiny_pair):
+    """Our engine over the tiny target and its noisy-copy drafter."""
+    from core.engine import Engine
+
+    target_dir, drafter_dir, _ = tiny_pair
+    return Engine.load(target_dir, drafter_dir)

@@ -6,6 +6,8 @@ import math
 import pytest
 import torch
 
+from tiny_models import repeating_prompts
+
 from core.cli import build_parser
 from core.costmodel import replay as rp
 from core.costmodel import trees
@@ -23,27 +25,17 @@ FAKE_PROBE = {"bandwidth_gb_s": 20.0, "matmul_tflops": 0.1}
 
 
 def prompts(n=4, vocab=101, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for length in [5, 12, 3, 8][:n]:
-        base = torch.randint(0, vocab, (length,), generator=g).tolist()
-        out.append(base + base[: length // 2])
-    return out
+    return repeating_prompts([5, 12, 3, 8][:n], vocab, seed)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One intra-op thread: on a small shared CPU two threads spin against each other (20x slower)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair):
-    target_dir, drafter_dir, _ = tiny_pair
-    return Engine.load(target_dir, drafter_dir)
+def engine(pair_engine):
+    return pair_engine
 
 
 @pytest.fixture(scope="module")

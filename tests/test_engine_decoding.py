@@ -20,13 +20,7 @@ DRAFTS = {"model": {"method": "model"}, "ngram": {"method": "ngram", "ngram_max"
 
 
 def prompts(n, vocab=101, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    lengths = [5, 12, 3, 8][:n]
-    out = []
-    for length in lengths:
-        base = torch.randint(0, vocab, (length,), generator=g).tolist()
-        out.append(base + base[: length // 2])
-    return out
+    return tiny_models.repeating_prompts([5, 12, 3, 8][:n], vocab, seed)
 
 
 @pytest.fixture(scope="module")

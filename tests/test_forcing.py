@@ -3,8 +3,9 @@
 import pytest
 import torch
 
+from tiny_models import repeating_prompts
+
 from core import forcing
-from core.engine import Engine
 from core.engine.decode import Verification
 from core.recipe import Recipe
 
@@ -20,26 +21,17 @@ SEEDED = {"sampling": "seeded", "temperature": 0.8, "top_p": 0.9, "seed": 5}
 
 
 def prompts(n=4, vocab=101, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    out = []
-    for length in [6, 11, 4, 9][:n]:
-        base = torch.randint(0, vocab, (length,), generator=g).tolist()
-        out.append(base + base[: length // 2])
-    return out
+    return repeating_prompts([6, 11, 4, 9][:n], vocab, seed)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _one_thread(one_thread):
     yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_pair):
-    target_dir, drafter_dir, _ = tiny_pair
-    return Engine.load(target_dir, drafter_dir)
+def engine(pair_engine):
+    return pair_engine
 
 
 @pytest.fixture(scope="module")

@@ -37,3 +37,13 @@ def hf_greedy(model: transformers.PreTrainedModel, prompt: list[int], n: int) ->
         out = model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
                              eos_token_id=None, pad_token_id=0)
     return out[0, len(prompt):].tolist()
+
+
+def repeating_prompts(lengths: list[int], vocab: int = 101, seed: int = 0) -> list[list[int]]:
+    """Random prompts that repeat their first half, so n-gram lookup has something to find."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for length in lengths:
+        base = torch.randint(0, vocab, (length,), generator=g).tolist()
+        out.append(base + base[: length // 2])
+    return out

@@ -171,10 +171,7 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
                 trees = [DraftTree.root(r) for r in roots]
             _sync(dev)
             t1 = time.perf_counter()
-            tokens, depths, anc = batch_tensors(trees, dev)
-            T = tokens.shape[1]
-            logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc)
-            choice = _choices(logits, trees, ver, req, lengths)
+            choice = verify(target, cache, trees, ver, req, lengths)
             _sync(dev)
             t2 = time.perf_counter()
             rows, paths, emitted, accepted = [], [], [], []
@@ -191,14 +188,11 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
                 paths.append(path)
                 emitted.append([trees[b].tokens[i] for i in path] + [bonus])
                 accepted.append(len(path) + 1)
-            cache.compact(rows, [[lengths[b] + i for i in path] for b, path in zip(rows, paths)],
-                          [lengths[b] + 1 for b in rows])
-            for b, path, toks in zip(rows, paths, emitted):
+            commit_paths(cache, rows, paths, lengths)
+            for b, toks in zip(rows, emitted):
                 committed[b].append(roots[b])
                 committed[b].extend(toks[:-1])
-                lengths[b] += len(path) + 1
                 roots[b] = toks[-1]
-            cache.lengths.copy_(torch.tensor(lengths, device=dev))
             if speculative:
                 drafter.commit(rows, paths, emitted)
             _sync(dev)
@@ -215,6 +209,24 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
             t_prev = t4
         seconds = time.perf_counter() - start
     return GenerateResult(out, steps, seconds, committed, cache)
+
+
+def verify(target: Transformer, cache, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+           lengths: list[int]) -> list:
+    """One target forward over every row's tree; the target's choice at every node."""
+    tokens, depths, anc = batch_tensors(trees, target.device)
+    B, T = tokens.shape
+    logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc)
+    return _choices(logits, trees, ver, req, lengths)
+
+
+def commit_paths(cache, rows: list[int], paths: list[list[int]], lengths: list[int]) -> None:
+    """Keep each row's root and accepted path in the cache (in place) and advance `lengths` to match."""
+    cache.compact(rows, [[lengths[b] + i for i in path] for b, path in zip(rows, paths)],
+                  [lengths[b] + 1 for b in rows])
+    for b, path in zip(rows, paths):
+        lengths[b] += len(path) + 1
+    cache.lengths.copy_(torch.tensor(lengths, device=cache.lengths.device))
 
 
 def _choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,

@@ -17,10 +17,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine.decode import GenerateResult, GenerationError, StepStats, Verification, _accept, _choices, _sync
+from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _accept, _sync,
+                                commit_paths, verify)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import Transformer
-from core.engine.tree import DraftTree, batch_tensors, chain_paths
+from core.engine.tree import DraftTree, chain_paths
 
 MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6
@@ -189,10 +190,7 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                     trees = [_truncate(t, d) for t, d in zip(trees, depths)]
             _sync(dev)
             t2 = time.perf_counter()
-            tokens, tdepths, anc = batch_tensors(trees, dev)
-            T = tokens.shape[1]
-            logits = target.step(tokens, view, view.lengths, tdepths, None if n == 1 and T == 1 else anc)
-            choice = _choices(logits, trees, ver, req_ids, lengths)
+            choice = verify(target, view, trees, ver, req_ids, lengths)
             _sync(dev)
             t3 = time.perf_counter()
             paths, emitted, accepted = [], [], []
@@ -204,12 +202,9 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                 drafted = max(t for t in trees[b].depths)
                 if drafted:
                     alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, len(path) / drafted))
-            view.compact(list(range(n)), [[lengths[b] + i for i in p] for b, p in enumerate(paths)],
-                         [lengths[b] + 1 for b in range(n)])
+            commit_paths(view, list(range(n)), paths, lengths)
             for b in range(n):
-                lengths[b] += len(paths[b]) + 1
                 roots[b] = emitted[b][-1]
-            view.lengths.copy_(torch.tensor(lengths, device=dev))
             if speculative:
                 drafter.commit(list(range(n)), paths, emitted)
             _sync(dev)
