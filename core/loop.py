@@ -502,7 +502,7 @@ def stderr_progress(event: Event) -> None:
     elif event.kind == "incumbent":
         line = (f"  incumbent: x{p['heldout_speedup_vs_ar']:.2f} vs AR, x{p['heldout_speedup_vs_stock']:.2f} "
                 f"vs stock (held-out)")
-    elif event.kind in ("notice", "error"):
+    elif event.kind == "notice":
         line = f"  {event.kind}: {p['message']}"
     if line:
         print(line, file=sys.stderr, flush=True)
