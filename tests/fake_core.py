@@ -1,7 +1,7 @@
 """A scripted core for UI tests: implements LoopHandle and emits a realistic, deterministic run.
 
 Per round: measuring -> gaps -> three agents (one streams a good diff, one a lossy diff that fails
-token forcing, one fails outright) -> gates, forcing and evaluations -> the good candidate awaits a
+token forcing, one fails outright; `lossy_first` puts the lossy one in the first row) -> gates, forcing and evaluations -> the good candidate awaits a
 decision and the loop blocks until decide() (or stop()). Pause/resume are honoured at every step
 boundary. Decisions are recorded; approving a failed or non-waiting candidate raises DecisionRefused.
 `save_run` persists a recorded run into a real core.store.db.Store, as the loop would.
@@ -48,8 +48,10 @@ class FakeCore:
     """LoopHandle with a scripted run; thread-safe; records decisions and control calls."""
 
     def __init__(self, rounds: int = 2, delay: float = 0.0, auto: bool = False, refuse_all: bool = False,
-                 hold_after_round: int | None = None, fail_with: str | None = None) -> None:
+                 hold_after_round: int | None = None, fail_with: str | None = None,
+                 lossy_first: bool = False) -> None:
         self.rounds = rounds
+        self.lossy_first = lossy_first
         self.delay = delay
         self.auto = auto
         self.refuse_all = refuse_all
@@ -123,6 +125,8 @@ class FakeCore:
     def _round_script(self, r: int) -> None:
         title, direction, rationale, diff, predicted, heldout = GOOD_DIFFS[(r - 1) % len(GOOD_DIFFS)]
         good, lossy, broken = (f"c{3 * r - 2}", f"c{3 * r - 1}", f"c{3 * r}")
+        if self.lossy_first:
+            good, lossy = lossy, good
         self._round = r
         self._send("round_started", round=r)
         self._set_state("measuring")
@@ -135,9 +139,11 @@ class FakeCore:
                          {"component": "kv copy", "ms_per_token": 0.18}],
                    largest_gap="verify")
         self._set_state("proposing")
-        self._propose(good, "local:0", direction, title, rationale, diff, predicted)
-        self._propose(lossy, "local:1", "verify", "Accept top-2 at verification",
-                      "Accepting the drafter's second choice raises acceptance.", LOSSY_DIFF, 1.31)
+        proposals = [(good, "local:0", direction, title, rationale, diff, predicted),
+                     (lossy, "local:1", "verify", "Accept top-2 at verification",
+                      "Accepting the drafter's second choice raises acceptance.", LOSSY_DIFF, 1.31)]
+        for proposal in reversed(proposals) if self.lossy_first else proposals:
+            self._propose(*proposal)
         self._send("agent_started", cid=broken, agent="local:2", direction="draft")
         self._send("candidate_failed", cid=broken, agent="local:2", reason="no diff in the agent's answer")
         self.failed[broken] = "to propose a diff"

@@ -145,6 +145,28 @@ def test_split_round_keeps_earlier_rounds_as_prefix() -> None:
 # --- live dashboard ------------------------------------------------------------------------------
 
 
+def test_cursor_moves_to_the_candidate_awaiting_a_decision() -> None:
+    """The first row failed forcing; when the second starts waiting, `a` approves it without moving the
+    cursor by hand, and again in the next round."""
+    core = FakeCore(rounds=2, lossy_first=True)
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: "c2" in core.awaiting)
+        table = app.live.query_one(CandidateTable)
+        assert [str(k.value) for k in table.rows][:2] == ["c1", "c2"]
+        assert app.live.current_cid == "c2"
+        await pilot.press("a")
+        assert core.decisions == [("c2", "approve", "")]
+        await until(pilot, lambda: "c5" in core.awaiting)
+        assert app.live.current_cid == "c5"
+        await pilot.press("a")
+        assert core.decisions[-1] == ("c5", "approve", "")
+        await pilot.press("q")
+
+    drive(app, script)
+
+
 def test_live_panels_update_and_approval_reaches_the_core() -> None:
     core = FakeCore(rounds=2)
     app = make_app(core)

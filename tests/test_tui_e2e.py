@@ -36,7 +36,8 @@ def test_real_loop_approve_under_tmux(tmp_path: Path) -> None:
         tmux("send-keys", "-t", session, "a")
         deadline = time.monotonic() + 30
         while _decision(db, cid) is None:
-            assert time.monotonic() < deadline, "approval did not reach store.db"
+            screen = tmux("capture-pane", "-p", "-t", session)
+            assert time.monotonic() < deadline, f"approval of {cid} did not reach store.db; screen:\n{screen}"
             time.sleep(0.5)
         assert _decision(db, cid) == ("approve", "user")
         tmux("send-keys", "-t", session, "q")
