@@ -17,6 +17,8 @@ TREE_POLICIES = ("chain", "static", "dynamic")
 SAMPLINGS = ("greedy", "seeded", "rejection", "lossy_top2")
 WEIGHT_FORMATS = ("native", "packed12")
 BATCHING_POLICIES = ("fixed", "budget", "allocate", "cap")
+LINEAR_BACKENDS = ("native", "onednn")
+LEGACY_FALSE = {"runtime": ("compile", "cuda_graphs")}  # keys of older recipes, never implemented when true
 PLUGIN_PREFIX = "plugin:"
 
 
@@ -56,8 +58,7 @@ class WeightsSection:
 
 @dataclass
 class RuntimeSection:
-    compile: bool = False
-    cuda_graphs: bool = False
+    linear: str = "native"
 
 
 @dataclass
@@ -95,6 +96,7 @@ class Recipe:
         _choice("tree.policy", self.tree.policy, TREE_POLICIES, plugins=True)
         _choice("verify.sampling", self.verify.sampling, SAMPLINGS, plugins=True)
         _choice("weights.format", self.weights.format, WEIGHT_FORMATS)
+        _choice("runtime.linear", self.runtime.linear, LINEAR_BACKENDS)
         _choice("batching.policy", self.batching.policy, BATCHING_POLICIES, plugins=True)
         _positive("tree.depth", self.tree.depth, 1, 64)
         _positive("tree.budget", self.tree.budget, 1, 256)
@@ -161,6 +163,7 @@ class Recipe:
             if not isinstance(raw, dict):
                 raise RecipeError(f"{source}: [{section}] must be a table")
             fields = {f.name: f for f in dataclasses.fields(klass)}
+            raw = _drop_legacy(section, raw, source)
             for key, value in raw.items():
                 if key not in fields:
                     raise RecipeError(f"{source}: unknown field {section}.{key}; allowed: {', '.join(fields)}")
@@ -186,6 +189,17 @@ class Recipe:
         if not path.is_file():
             raise RecipeError(f"recipe file {path} does not exist; pass a TOML file or a built-in name")
         return cls.from_toml(path.read_text(), source=str(path))
+
+
+def _drop_legacy(section: str, raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Recipes stored before [runtime] had `linear` carried compile/cuda_graphs = false; they still load.
+    Set to true they are refused: this engine never implemented them."""
+    legacy = LEGACY_FALSE.get(section, ())
+    for key in legacy:
+        if raw.get(key) is True:
+            raise RecipeError(f"{source}: {section}.{key} = true is not implemented by this engine; remove it "
+                              f"(the [runtime] option it has is linear = {' | '.join(LINEAR_BACKENDS)})")
+    return {k: v for k, v in raw.items() if k not in legacy or v is not False}
 
 
 def _choice(name: str, value: str, allowed: tuple[str, ...], plugins: bool = False) -> None:
@@ -230,6 +244,8 @@ def builtin(name: str) -> Recipe:
         "dynamic": Recipe(name="dynamic", tree=TreeSection(policy="dynamic", depth=6, budget=24, topk=4)),
         "ngram": Recipe(name="ngram", draft=DraftSection(method="ngram", ngram_max=3),
                         tree=TreeSection(policy="chain", depth=8)),
+        "ngram-tree": Recipe(name="ngram-tree", draft=DraftSection(method="ngram", ngram_max=3),
+                             tree=TreeSection(policy="dynamic", depth=8, budget=16, topk=4)),
         "early_exit": Recipe(name="early_exit", draft=DraftSection(method="early_exit"),
                              tree=TreeSection(policy="chain", depth=4)),
         "batch-budget": Recipe(name="batch-budget", batching=BatchingSection(policy="budget")),
@@ -241,7 +257,7 @@ def builtin(name: str) -> Recipe:
     return presets[name].validate()
 
 
-BUILTINS = ("stock", "chain6", "dynamic", "ngram", "early_exit", "batch-budget", "batch-allocate", "batch-cap")
+BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "batch-budget", "batch-allocate", "batch-cap")
 
 
 def resolve(spec: str) -> Recipe:

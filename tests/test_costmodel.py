@@ -161,6 +161,13 @@ def test_prediction_ranks_a_deeper_self_drafted_chain_higher(tiny_pair):
     assert half == pytest.approx((ee1 + full) / 2)
     with pytest.raises(ValueError, match="replay"):
         predict(prof, replay, Recipe.from_dict({"draft": {"method": "ngram"}}))
+    # Every linear backend this CPU runs gets its own measured verify curve; a recipe is priced on its own.
+    assert set(prof.backend_curves) == {"native", "onednn"} and prof.backend_curves["native"] == prof.verify_curve
+    halved = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
+    halved.backend_curves["onednn"] = {n: ms / 2 for n, ms in halved.verify_curve.items()}
+    native = predict_detail(halved, replay, chain1)["step_ms"]["verify"]
+    onednn = predict_detail(halved, replay, chain1.replace(runtime={"linear": "onednn"}))["step_ms"]["verify"]
+    assert onednn == pytest.approx(native / 2)
 
 
 def test_probe_is_cached_per_device_and_dtype(tmp_path, monkeypatch):

@@ -22,6 +22,16 @@ RANKS = {"model": [0.6, 0.15, 0.08, 0.05], "ngram": [0.5], "early_exit:1": [0.3,
 DRAFT_MS = {"model": 0.4, "ngram": 0.05, "early_exit:1": 0.25, "early_exit:2": 0.5}
 
 
+class FakeProfile:
+    """The part of a Profile the runtime agent reads: the target's forward curve per linear backend."""
+
+    def __init__(self, backend_curves: dict[str, dict[int, float]]) -> None:
+        self.backend_curves = backend_curves
+
+    def verify_curve_for(self, backend: str) -> dict[int, float]:
+        return self.backend_curves[backend]
+
+
 class FakeTools:
     """An analytic stand-in for CostTools: acceptance from rank frequencies, a linear verify cost curve.
 
@@ -35,6 +45,9 @@ class FakeTools:
         self.drafters = list(drafters)
         self.weight_ms = weight_ms
         self.launch_ms = launch_ms
+        self.backends = {"native": 1.0, "onednn": 0.6} if device == "cpu" else {"native": 1.0}
+        self.profile = FakeProfile({b: {n: self.verify_ms(n) * k for n in (1, 4, 8, 16)}
+                                    for b, k in self.backends.items()})
         self.report = {"gaps": [{"component": "acceptance", "ms_per_token": 1.2},
                                 {"component": "host", "ms_per_token": 0.4}], "largest_gap": "acceptance"}
         self.seen: dict[str, float] = {}
@@ -67,7 +80,8 @@ class FakeTools:
     def step_ms(self, recipe: Recipe) -> dict[str, float]:
         nodes = self.nodes(recipe)
         depth = max((len(n) for n in nodes), default=0)
-        return {"draft": DRAFT_MS[self.key(recipe)] * depth, "verify": self.verify_ms(len(nodes) + 1), "host": 0.3}
+        verify = self.verify_ms(len(nodes) + 1) * self.backends[recipe.runtime.linear]
+        return {"draft": DRAFT_MS[self.key(recipe)] * depth, "verify": verify, "host": 0.3}
 
     def predict(self, recipe: Recipe) -> float:
         value = 1000 * self.accepted(recipe) / sum(self.step_ms(recipe).values())
@@ -102,7 +116,7 @@ AGENTS = [TreeShapeAgent, DraftLengthAgent, DrafterChoiceAgent, WeightFormatAgen
 
 @pytest.mark.parametrize("cls", AGENTS)
 def test_each_agent_diff_applies_and_validates(cls: type, tmp_path: Path) -> None:
-    tools = FakeTools(batch_size=4 if cls is BatchingAgent else 1)
+    tools = FakeTools(batch_size=4 if cls is BatchingAgent else 1, device="cpu" if cls is RuntimeAgent else "cuda")
     ctx = context(tmp_path, tools=tools)
     out, text = run(cls(), ctx)
     cand = check_candidate(out, ctx)
@@ -117,6 +131,15 @@ def test_deterministic_for_a_seed(cls: type, tmp_path: Path) -> None:
     outs = [run(cls(), context(tmp_path, tools=FakeTools(batch_size=4), memory=memory, seed=7)) for _ in range(2)]
     assert outs[0][1] == outs[1][1]
     assert repr(outs[0][0]) == repr(outs[1][0])
+
+
+def test_runtime_agent_prices_the_linear_backend(tmp_path: Path) -> None:
+    tools = FakeTools(device="cpu")
+    out, text = run(RuntimeAgent(), context(tmp_path, tools=tools))
+    cand = check_candidate(out, context(tmp_path))
+    assert cand.recipe.runtime.linear == "onednn"
+    assert cand.predicted_speedup == pytest.approx(tools.predict(cand.recipe) / tools.predict(builtin("stock")))
+    assert "target forward, onednn vs native" in text
 
 
 def test_tree_shape_picks_the_fastest_it_considered(tmp_path: Path) -> None:
@@ -144,8 +167,11 @@ def test_fails_with_reasons_when_nothing_wins(tmp_path: Path) -> None:
     cpu = FakeTools(device="cpu")
     out, _ = run(WeightFormatAgent(), context(tmp_path, tools=cpu))
     assert isinstance(out, AgentFailure) and "correctness path" in out.reason and "slowdown" in out.reason
-    out, _ = run(RuntimeAgent(), context(tmp_path, tools=cpu))
-    assert isinstance(out, AgentFailure) and "Python dispatch" in out.reason
+    out, _ = run(RuntimeAgent(), context(tmp_path, tools=FakeTools(device="cuda")))
+    assert isinstance(out, AgentFailure) and "no other linear backend runs here (measured: native" in out.reason
+    onednn = builtin("stock").replace(runtime={"linear": "onednn"})
+    out, _ = run(RuntimeAgent(), context(tmp_path, onednn, tools=cpu))
+    assert isinstance(out, AgentFailure) and "no linear backend predicted above the incumbent" in out.reason
     out, _ = run(BatchingAgent(), context(tmp_path, tools=FakeTools(batch_size=1)))
     assert out == AgentFailure("batching", "batch size 1: no batching gap")
     out, _ = run(WeightFormatAgent(), context(tmp_path, tools=FakeTools(weight_ms=0.01)))
@@ -192,9 +218,9 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     report = {"gaps": [{"component": "host", "ms_per_token": 0.2}, {"component": "drafting", "ms_per_token": 0.9},
                        {"component": "verify", "ms_per_token": 0.5}], "largest_gap": "drafting"}
     names = [a.name for a in local_agents_for(report, 3, [])]
-    assert names == ["drafter-choice", "draft-length", "tree-shape"]
+    assert names == ["drafter-choice", "runtime", "draft-length"]
     on_gpu = {**report, "probe": {"device": "cuda:0"}}
-    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "weight-format", "runtime"]
+    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "draft-length", "weight-format"]
     memory = [{"mechanism": "m", "fragment": {"tree": {"depth": 6}}, "fingerprint": "x", "effect": 1.1}]
     assert [a.name for a in local_agents_for(report, 2, memory, builtin("stock"))] == ["memory", "drafter-choice"]
     assert local_agents_for(report, 2, memory, builtin("chain6"))[0].name == "drafter-choice"
@@ -209,7 +235,7 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     monkeypatch.setenv("ANTHROPIC_API_KEY", "sk-test")
     agents = make_agents("claude:2,local:2", 0, "m", report=report, memory=[], incumbent=builtin("stock"))
     assert [type(a) for a in agents[:2]] == [ClaudeAgent, ClaudeAgent]
-    assert [a.name for a in agents] == ["claude-1", "claude-2", "drafter-choice", "draft-length"]
+    assert [a.name for a in agents] == ["claude-1", "claude-2", "drafter-choice", "runtime"]
     assert make_agents("local:1", 0, "m", memory_nonempty=True)[0].name == "memory"
 
 

@@ -21,8 +21,9 @@ _ITEM = re.compile(r"^\s*([a-z]+)\s*:\s*(\d+)\s*$")
 HINTS = {
     "acceptance": "lock in more tokens per verify step: tree shape (static from replay, or dynamic), draft depth",
     "drafting": "cut draft time per step: a cheaper drafter (n-gram, early exit and its layer), shorter drafts",
-    "verify": "bring the verify step toward its bandwidth floor: fewer weight bytes (packed12), fewer nodes",
-    "host": "cut per-step host overhead: fewer steps per token, less Python per step, CUDA graphs on GPU",
+    "verify": "bring the verify step toward its bandwidth floor: a faster linear backend (runtime.linear), fewer "
+              "weight bytes (packed12), fewer nodes",
+    "host": "cut per-step host overhead: fewer steps per token, less Python per step",
     "batching": "share the verify budget across requests: batching policy and node budget",
 }
 
@@ -84,9 +85,12 @@ def _pick(report: dict[str, Any] | None, n: int, with_memory: bool) -> list[type
 
 
 def _fits(cls: type[LocalAgent], report: dict[str, Any] | None) -> bool:
-    """Whether an agent's mechanism can apply here: CUDA-only ones wait on a CPU, batching at batch 1."""
+    """Whether an agent's mechanism can apply here: CUDA-only ones wait on a CPU (CPU-only ones on a GPU),
+    batching at batch 1."""
     device = str(((report or {}).get("probe") or {}).get("device", "cpu"))
     if getattr(cls, "cuda_only", False) and not device.startswith("cuda"):
+        return False
+    if getattr(cls, "cpu_only", False) and device.startswith("cuda"):
         return False
     return not (getattr(cls, "needs_batch", False) and int((report or {}).get("batch_size", 1)) <= 1)
 

@@ -5,15 +5,16 @@ Step time = draft + verify + commit/host:
           width), from the profile's drafter curves and real draft() timings; the drafter's prompt prefill
           once per request. An early exit at an unmeasured layer: interpolated per layer between the
           measured early exit and the full target. n-gram: the lookup time measured while replaying it.
-  verify  the target's cost curve at the mean nodes per step.
+  verify  the target's cost curve (under the recipe's linear backend) at the mean nodes per step.
   commit/host  the incumbent's measured means.
 Microbenchmarks fix the shape of these costs, the profiled run their level: draft and verify are scaled by
 measured / modelled for the profiled recipe (load_factors), which absorbs the per-step work around the
 forwards and the machine's load at the time.
 Acceptance and nodes per step come from the replay: exact for chains, static and dynamic trees and n-gram
 drafting (a replay without its drafter model approximates a dynamic tree by the best static tree of the
-same budget and depth); seeded or rejection sampling on a greedy replay uses greedy acceptance. Weight format and runtime options
-act only through the profile they were measured with.
+same budget and depth); seeded or rejection sampling on a greedy replay uses greedy acceptance. The linear
+backend acts through its own measured verify curve; the weight format only through the profile it was
+measured with.
 """
 
 from __future__ import annotations
@@ -110,7 +111,7 @@ def predict_detail(profile: Profile | dict, replay: rp.Replay, recipe: Recipe) -
         notes.append(f"{recipe.verify.sampling} sampling approximated by greedy acceptance")
     ph = prof.phases
     factors = load_factors(prof)
-    verify = interpolate(prof.verify_curve, sim.mean_nodes) * factors["verify"]
+    verify = interpolate(prof.verify_curve_for(recipe.runtime.linear), sim.mean_nodes) * factors["verify"]
     if kind == "ngram":
         draft, prefill = sim.draft_ms, 0.0
     else:

@@ -17,10 +17,11 @@ from functools import partial
 import torch
 
 from core.engine import Engine, StepStats
+from core.engine.config import ModelLoadError
 from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.tree import chain_paths
-from core.recipe import Recipe
+from core.recipe import LINEAR_BACKENDS, Recipe
 
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_DEPTHS = (1, 2, 4, 8)
@@ -47,7 +48,8 @@ class Profile:
     """Measured phase costs of one recipe plus the cost curves predict.py needs (ms throughout).
 
     phases: mean ms per step; other_ms: total wall time outside steps (prefill, allocation);
-    verify_curve: nodes -> target forward; drafters: per drafter ("model", "early_exit:E") its forward
+    verify_curve: nodes -> target forward; backend_curves: the same curve under every runtime.linear backend
+    this device runs; drafters: per drafter ("model", "early_exit:E") its forward
     per width (curve), real draft() calls per chain depth (chain), their fit (fixed_ms per call, level_ms
     per level beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms);
     bytes: what one verify step reads (weights + KV at context_len).
@@ -69,6 +71,11 @@ class Profile:
     verify_curve: dict[int, float]
     drafters: dict[str, dict] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
+    backend_curves: dict[str, dict[int, float]] = field(default_factory=dict)
+
+    def verify_curve_for(self, backend: str) -> dict[int, float]:
+        """The target's forward curve under a linear backend (the profiled recipe's when not measured)."""
+        return self.backend_curves.get(backend, self.verify_curve)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -78,6 +85,7 @@ class Profile:
         """Inverse of to_dict, also after a JSON round trip (curve keys come back as strings)."""
         data = dict(data)
         data["verify_curve"] = _int_keys(data["verify_curve"])
+        data["backend_curves"] = {k: _int_keys(c) for k, c in data.get("backend_curves", {}).items()}
         data["drafters"] = {kind: {**d, "curve": _int_keys(d["curve"]), "chain": _int_keys(d["chain"])}
                             for kind, d in data.get("drafters", {}).items()}
         return cls(**data)
@@ -288,6 +296,14 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         verify_curve=forward_curve(target, context, NODES, repeats),
         bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context},
     )
+    prof.backend_curves[recipe.runtime.linear] = prof.verify_curve
+    for backend in LINEAR_BACKENDS:
+        if backend not in prof.backend_curves:
+            try:
+                other, _ = engine.models_for(recipe.replace(runtime={"linear": backend}))
+            except ModelLoadError:
+                continue
+            prof.backend_curves[backend] = forward_curve(other, context, NODES, repeats)
     widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
     prompt = max(prompts, key=len)[: max(2, round(prompt_len))]
     dynamic = ((recipe.tree.depth, recipe.tree.topk, recipe.tree.budget) if recipe.tree.policy == "dynamic"

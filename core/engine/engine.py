@@ -71,27 +71,33 @@ class Engine:
         return cls(target, drafter, str(target_dir), str(drafter_dir) if drafter_dir else None)
 
     def models_for(self, recipe: Recipe) -> tuple[Transformer, Transformer | None]:
-        """Target and drafter model with the recipe's weight format applied (converted once, cached)."""
-        if recipe.weights.format == "native":
-            return self.target, self.drafter_model
-        from core.engine.weights import pack_transformer
+        """Target and drafter model with the recipe's weight format and linear backend applied (converted
+        once, cached)."""
+        target, drafter = self.target, self.drafter_model
+        fmt, backend = recipe.weights.format, recipe.runtime.linear
+        if fmt != "native":
+            from core.engine.weights import pack_transformer
 
-        key = recipe.weights.format
-        if key not in self._packed:
-            self._packed[key] = pack_transformer(self.target)
-        target = self._packed[key]
-        drafter = self.drafter_model
-        if recipe.weights.drafter and drafter is not None:
-            dkey = key + ":drafter"
-            if dkey not in self._packed:
-                self._packed[dkey] = pack_transformer(drafter)
-            drafter = self._packed[dkey]
+            target = self._converted(fmt, lambda: pack_transformer(self.target))
+            if recipe.weights.drafter and drafter is not None:
+                drafter = self._converted(fmt + ":drafter", lambda: pack_transformer(self.drafter_model))
+        if backend != "native":
+            from core.engine.linear import onednn_transformer
+
+            base = target
+            target = self._converted(f"{fmt}+{backend}", lambda: onednn_transformer(base))
         return target, drafter
+
+    def _converted(self, key: str, build) -> Transformer:
+        if key not in self._packed:
+            self._packed[key] = build()
+        return self._packed[key]
 
     def drafter_for(self, recipe: Recipe) -> Drafter:
         target, drafter_model = self.models_for(recipe)
         d = recipe.draft
-        key = (d.method, d.exit_layer, d.ngram_max, recipe.weights.format, recipe.weights.drafter)
+        key = (d.method, d.exit_layer, d.ngram_max, recipe.weights.format, recipe.weights.drafter,
+               recipe.runtime.linear)
         if key in self._drafters:
             return self._drafters[key]
         if d.method == "ngram":

@@ -1,0 +1,66 @@
+"""runtime.linear = "onednn": the same projections through oneDNN for several rows; lossless under forcing
+against transformers, refused clearly where it cannot run."""
+
+import pytest
+import torch
+
+import tiny_models
+from core import forcing
+from core.engine import Engine
+from core.engine.config import ModelLoadError
+from core.recipe import Recipe, RecipeError
+
+ONEDNN = {"runtime": {"linear": "onednn"}}
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+def test_onednn_logits_match_native(pair_engine, one_thread):
+    target, _ = pair_engine.models_for(Recipe.from_dict(ONEDNN))
+    assert target is not pair_engine.target and target.layers[0].raw is pair_engine.target.layers[0].raw
+    prompt = tiny_models.repeating_prompts([12])[0]
+    for width in (1, 7):
+        logits = []
+        for model in (pair_engine.target, target):
+            cache = model.new_cache(1, 64)
+            model.prefill_row(cache, 0, prompt)
+            toks = torch.tensor([prompt[:width]])
+            anc = torch.tril(torch.ones(width, width, dtype=torch.bool))[None] if width > 1 else None
+            with torch.inference_mode():
+                logits.append(model.step(toks, cache, cache.lengths, torch.arange(width)[None], anc))
+        assert logits[0].shape == logits[1].shape == (1, width, 101)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+        if width == 1:
+            assert torch.equal(logits[1], logits[0])  # one row keeps the default GEMV: bit-identical
+
+
+def test_onednn_passes_forcing_against_transformers(tiny_pair, pair_engine, one_thread):
+    _, _, hf_target = tiny_pair
+    prompts = tiny_models.repeating_prompts([9, 14, 20], seed=3)
+    limits = [24, 24, 24]
+    for recipe in (Recipe.from_dict(ONEDNN),
+                   Recipe.from_dict({**ONEDNN, "draft": {"method": "ngram"}, "tree": {"depth": 6}}),
+                   Recipe.from_dict({**ONEDNN, "tree": {"policy": "dynamic", "depth": 4, "budget": 10}})):
+        result = forcing.compare(pair_engine, recipe, prompts, limits, reference=hf_target)
+        assert result["passed"], result
+        assert result["clear_mismatches"] == 0 and result["tokens"] == sum(limits)
+    ar = pair_engine.generate(prompts, limits, speculative=False).tokens
+    assert ar == [tiny_models.hf_greedy(hf_target, p, n) for p, n in zip(prompts, limits)]
+
+
+def test_onednn_refusals(tmp_path):
+    tiny_models.build(tmp_path, "llama2")
+    bf16 = Engine.load(tmp_path, dtype="bfloat16")
+    with pytest.raises(ModelLoadError, match="runs float32 models; this one is torch.bfloat16"):
+        bf16.generate([[1, 2, 3]], 2, Recipe.from_dict(ONEDNN), speculative=False)
+    with pytest.raises(RecipeError, match=r"runtime.linear = 'mkl' is not allowed; allowed: native, onednn"):
+        Recipe.from_dict({"runtime": {"linear": "mkl"}})
+
+
+def test_recipes_stored_before_runtime_linear_still_load():
+    old = Recipe.from_dict({"runtime": {"compile": False, "cuda_graphs": False}})
+    assert old.runtime.linear == "native" and "compile" not in old.to_toml()
+    for key in ("compile", "cuda_graphs"):
+        with pytest.raises(RecipeError, match=f"runtime.{key} = true is not implemented by this engine; remove it"):
+            Recipe.from_dict({"runtime": {key: True}})
+    with pytest.raises(RecipeError, match="unknown field runtime.graphs"):
+        Recipe.from_dict({"runtime": {"graphs": False}})
