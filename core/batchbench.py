@@ -2,7 +2,8 @@
 
 For each batch size every system serves the same requests with at most that many in flight; systems are
 interleaved per repeat so drift cancels. Speedups are over our batched autoregressive decoding at the same
-batch size. Batching policies price steps with a cost table measured once at the start.
+batch size. Batching policies price steps with their recipe's cost table (its target, linear backend and
+drafter), measured once at the start.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from tqdm import tqdm
 
 from core.deployment import Deployment
 from core.engine import Engine
-from core.engine.serve import measure_costs
 from core.recipe import Recipe
 from core.workload import encode, load, split
 
@@ -30,7 +30,9 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
     prompts = [encode(tokenizer, r) for r in requests]
     limits = [max_new_tokens or r.max_new_tokens for r in requests]
     engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
-    table = measure_costs(engine.target, engine.drafter_model, sorted(set(batch_sizes)))
+    for recipe in recipes:
+        if recipe.batching.policy != "fixed":
+            engine.cost_table(recipe, batch_sizes)
     systems: dict[str, Recipe | None] = {"ar": None, **{r.name: r for r in recipes}}
     reference = engine.serve(prompts, limits, None, 1).tokens
     rates: dict[tuple[int, str], list[float]] = {}
@@ -42,7 +44,7 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
             names = list(systems)
             shift = rep % len(names)
             for name in names[shift:] + names[:shift]:
-                result = engine.serve(prompts, limits, systems[name], b, table)
+                result = engine.serve(prompts, limits, systems[name], b)
                 key = (b, name)
                 rates.setdefault(key, []).append(result.new_tokens / result.seconds)
                 accepted.setdefault(key, []).extend(a for s in result.steps for a in s.accepted)

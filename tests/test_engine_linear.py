@@ -47,11 +47,29 @@ def test_onednn_passes_forcing_against_transformers(tiny_pair, pair_engine, one_
     assert ar == [tiny_models.hf_greedy(hf_target, p, n) for p, n in zip(prompts, limits)]
 
 
+def test_onednn_bfloat16_computes_on_the_same_values_and_passes_forcing(tiny_pair, one_thread):
+    """A bf16 model's rows go through float32 copies of its weights, each output rounded back to bf16."""
+    target_dir, drafter_dir, _ = tiny_pair
+    engine = Engine.load(target_dir, drafter_dir, dtype="bfloat16")
+    recipe = Recipe.from_dict({**ONEDNN, "draft": {"method": "ngram"}, "tree": {"depth": 6}})
+    target, _ = engine.models_for(recipe)
+    x = torch.randn(2, 5, 64).bfloat16()
+    out = target.layers[0].qkv(x)
+    assert out.dtype == torch.bfloat16
+    exact = (x.float() @ target.layers[0].raw["qkv"].float().T).bfloat16()
+    assert (out.float() - exact.float()).abs().max() <= exact.float().abs().max() * 2 ** -7
+    assert torch.equal(target.layers[0].qkv(x[:1, :1]), engine.target.layers[0].qkv(x[:1, :1]))
+    prompts = tiny_models.repeating_prompts([9, 14, 20], seed=3)
+    reference = forcing.load_reference(str(target_dir), "bfloat16")
+    result = forcing.compare(engine, recipe, prompts, [24, 24, 24], reference=reference)
+    assert result["passed"] and result["clear_mismatches"] == 0, result
+
+
 def test_onednn_refusals(tmp_path):
-    tiny_models.build(tmp_path, "llama2")
-    bf16 = Engine.load(tmp_path, dtype="bfloat16")
-    with pytest.raises(ModelLoadError, match="runs float32 models; this one is torch.bfloat16"):
-        bf16.generate([[1, 2, 3]], 2, Recipe.from_dict(ONEDNN), speculative=False)
+    tiny_models.build(tmp_path, "llama2", init=0.1).to(torch.bfloat16).save_pretrained(tmp_path)
+    engine = Engine.load(tmp_path)
+    with pytest.raises(ModelLoadError, match="runtime.linear = 'onednn' needs native weights, not packed12"):
+        engine.models_for(Recipe.from_dict({**ONEDNN, "weights": {"format": "packed12"}}))
     with pytest.raises(RecipeError, match=r"runtime.linear = 'mkl' is not allowed; allowed: native, onednn"):
         Recipe.from_dict({"runtime": {"linear": "mkl"}})
 

@@ -87,3 +87,21 @@ def test_long_prompt_joining_late_fits_the_cache(setup):
     out = serve(engine.target, engine.drafter_for(engine_recipe()), prompts, limits, spec,
                 Policy("budget", spec, table), max_batch=2)
     assert out.tokens == reference
+
+
+def test_each_recipe_is_priced_with_its_own_cost_table(setup):
+    """Policies price a step with the recipe's own target and drafter: n-gram drafting costs nothing, the
+    model drafter its forward; tables are measured once per mechanism and batch size."""
+    from core.recipe import Recipe
+
+    engine, prompts, limits, reference, _ = setup
+    ngram = Recipe.from_dict({"draft": {"method": "ngram"}, "tree": {"policy": "dynamic", "depth": 6, "budget": 10},
+                              "batching": {"policy": "budget"}})
+    model = Recipe.from_dict({"batching": {"policy": "cap"}})
+    t_ngram = engine.cost_table(ngram, [1, 3])
+    t_model = engine.cost_table(model, [3])
+    assert t_ngram.draft == {} and sorted(t_ngram.verify) == [(b, t) for b in (1, 3) for t in range(1, 10)]
+    assert sorted(t_model.draft) == [3] and t_model is not t_ngram
+    assert engine.cost_table(ngram.replace(batching={"policy": "allocate"}), [3]) is t_ngram
+    for recipe in (ngram, model):
+        assert engine.serve(prompts, limits, recipe, 3).tokens == reference

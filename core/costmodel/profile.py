@@ -193,16 +193,26 @@ def _filled_cache(model: Transformer, context: int, extra: int):
 
 def forward_curve(model: Transformer, context: int, widths: tuple[int, ...], repeats: int) -> dict[int, float]:
     """Median ms of one forward of w tree nodes (a chain mask) on a `context`-token prefix, per width."""
-    dev = model.device
-    cache = _filled_cache(model, context, max(widths))
+    return forward_curves({"": model}, context, widths, repeats)[""]
+
+
+def forward_curves(models: dict[str, Transformer], context: int, widths: tuple[int, ...],
+                   repeats: int) -> dict[str, dict[int, float]]:
+    """forward_curve of several models (one target under different linear backends), timed in the same
+    interleaved rounds so that a change of load cannot favour one of them."""
     fns = {}
-    for w in widths:
-        toks = torch.randint(0, model.cfg.vocab_size, (1, w), generator=torch.Generator().manual_seed(w)).to(dev)
-        depths = torch.arange(w, device=dev)[None]
-        anc = None if w == 1 else torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))[None]
-        fns[w] = partial(model.step, toks, cache, cache.lengths, depths, anc)
+    for name, model in models.items():
+        dev = model.device
+        cache = _filled_cache(model, context, max(widths))
+        for w in widths:
+            toks = torch.randint(0, model.cfg.vocab_size, (1, w), generator=torch.Generator().manual_seed(w)).to(dev)
+            depths = torch.arange(w, device=dev)[None]
+            anc = None if w == 1 else torch.tril(torch.ones(w, w, dtype=torch.bool, device=dev))[None]
+            fns[(name, w)] = partial(model.step, toks, cache, cache.lengths, depths, anc)
+    device = next(iter(models.values())).device
     with torch.inference_mode():
-        return median_ms(fns, dev, repeats)
+        times = median_ms(fns, device, repeats)
+    return {name: {w: times[(name, w)] for w in widths} for name in models}
 
 
 def draft_calls(model: Transformer, prompt: list[int], repeats: int,
@@ -262,6 +272,18 @@ def drafter_costs(model: Transformer, context: int, prompt: list[int], widths: t
     }
 
 
+def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
+    """The recipe's target under every linear backend that runs on this device and dtype."""
+    targets = {}
+    for backend in LINEAR_BACKENDS:
+        try:
+            targets[backend], _ = engine.models_for(recipe.replace(runtime={"linear": backend}))
+        except ModelLoadError:
+            if backend == recipe.runtime.linear:
+                raise
+    return targets
+
+
 def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
             run: RunStats | None = None, request_ids: list[int] | None = None, repeats: int = 7) -> Profile:
     """Profile `recipe` on the requests (timing them unless `run` is given) and measure the cost curves."""
@@ -277,6 +299,7 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     context = max(1, round(prompt_len + out_len / 2))
     context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
     packed = recipe.weights.format == "packed12"
+    curves = forward_curves(backend_targets(engine, recipe), context, NODES, repeats)
     weights = weight_bytes(target, packed)
     kv = kv_bytes(target, context)
     prof = Profile(
@@ -293,17 +316,10 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         prompt_len=prompt_len,
         context_len=context,
         target_layers=target.num_layers,
-        verify_curve=forward_curve(target, context, NODES, repeats),
+        verify_curve=curves[recipe.runtime.linear],
         bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context},
+        backend_curves=curves,
     )
-    prof.backend_curves[recipe.runtime.linear] = prof.verify_curve
-    for backend in LINEAR_BACKENDS:
-        if backend not in prof.backend_curves:
-            try:
-                other, _ = engine.models_for(recipe.replace(runtime={"linear": backend}))
-            except ModelLoadError:
-                continue
-            prof.backend_curves[backend] = forward_curve(other, context, NODES, repeats)
     widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
     prompt = max(prompts, key=len)[: max(2, round(prompt_len))]
     dynamic = ((recipe.tree.depth, recipe.tree.topk, recipe.tree.budget) if recipe.tree.policy == "dynamic"

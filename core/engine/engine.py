@@ -50,6 +50,7 @@ class Engine:
         self.drafter_dir = drafter_dir
         self._drafters: dict[tuple, Drafter] = {}
         self._packed: dict[str, Transformer] = {}
+        self._tables: dict[tuple, object] = {}
 
     @classmethod
     def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32",
@@ -129,15 +130,36 @@ class Engine:
         return generate(target, self.drafter_for(recipe), prompts, max_new_tokens, tree_spec(recipe), ver,
                         request_ids)
 
+    def cost_table(self, recipe: Recipe, batch_sizes: list[int]):
+        """The batching policies' step prices for this recipe's target (weights, linear backend) and drafter
+        (none for n-gram lookup), measured once per batch size and cached."""
+        from core.engine.serve import CostTable, measure_costs
+
+        target, _ = self.models_for(recipe)
+        drafter = self.drafter_for(recipe)
+        d = recipe.draft
+        key = (recipe.weights.format, recipe.weights.drafter, recipe.runtime.linear, d.method, d.exit_layer)
+        table = self._tables.setdefault(key, CostTable())
+        missing = sorted({b for b in batch_sizes} - {r for r, _ in table.verify})
+        if missing:
+            model = drafter.model if isinstance(drafter, ModelDrafter) else None
+            measured = measure_costs(target, model, missing)
+            table.verify.update(measured.verify)
+            table.draft.update(measured.draft)
+        return table
+
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
               table=None, request_ids: list[int] | None = None) -> GenerateResult:
-        """Continuous batching of many requests (recipe None = batched autoregressive decoding)."""
+        """Continuous batching of many requests (recipe None = batched autoregressive decoding). Batching
+        policies price steps with `table`, by default the recipe's own measured cost table."""
         from core.engine.serve import Policy, serve
 
         if recipe is None:
             return serve(self.target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
         target, _ = self.models_for(recipe)
         b, v = recipe.batching, recipe.verify
+        if table is None and b.policy != "fixed":
+            table = self.cost_table(recipe, [max_batch])
         policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap)
         return serve(target, self.drafter_for(recipe), prompts, limits, tree_spec(recipe), policy, max_batch,
                      Verification(v.sampling, v.temperature, v.top_p, v.seed), request_ids)

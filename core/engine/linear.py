@@ -4,8 +4,10 @@ projections (verification, prefill) through oneDNN's prepacked GEMM instead of t
 Why: on a CPU a verify step is compute-bound, and the default BLAS (MKL) is slow at the few-row GEMMs
 speculative verification makes (measured on the AVX2 development machine: 1.3-2x slower than oneDNN at
 4-16 rows). A single row (plain decoding, drafting) keeps the default GEMV, which oneDNN does not beat.
-The weights are the same numbers; only the summation order changes, so greedy output can differ from the
-reference at floating-point near-ties only (the forcing gate's tie policy decides).
+bfloat16 and float16 models run several rows in float32 on exact copies of their weights (3x the weight
+memory; bf16 matmul is emulated on a CPU without bf16 units) and round every projection's output back to
+their dtype. The weights are the same numbers; only the summation order changes, so greedy output can
+differ from the reference at floating-point near-ties only (the forcing gate's tie policy decides).
 """
 
 from __future__ import annotations
@@ -24,13 +26,22 @@ def onednn_available() -> bool:
 
 
 def onednn_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
-    """A projection that packs `weight` once for oneDNN and keeps the default GEMV for one row."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, None)
+    """A projection that packs `weight` once for oneDNN (in float32) and keeps the default GEMV for one row.
+
+    Several rows of a bfloat16/float16 model compute on float32 copies of the same values and round the
+    output back to its dtype: on a CPU without native bf16 matmul that is what the hardware does fast, and
+    it differs from the low-precision kernel only in summation order. One row keeps the model's own GEMV
+    (half the bytes to read)."""
+    dtype = weight.dtype
+    w32 = weight.float()
+    b32 = None if bias is None else bias.float()
+    packed = torch.ops.mkldnn._reorder_linear_weight(w32, None)
 
     def project(x: torch.Tensor) -> torch.Tensor:
         if x.numel() == x.shape[-1]:
             return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [None], "")
+        out = torch.ops.mkldnn._linear_pointwise(x.float(), packed, b32, "none", [None], "")
+        return out if dtype == torch.float32 else out.to(dtype)
 
     return project
 
@@ -40,9 +51,6 @@ def onednn_transformer(model: Transformer) -> Transformer:
     if model.device.type != "cpu":
         raise ModelLoadError(f"runtime.linear = 'onednn' is a CPU backend; this model is on {model.device}, "
                              "so use linear = 'native'")
-    if model.dtype != torch.float32:
-        raise ModelLoadError(f"runtime.linear = 'onednn' runs float32 models; this one is {model.dtype}, so use "
-                             "--dtype float32 or linear = 'native'")
     if model.weight_format != "native":
         raise ModelLoadError(f"runtime.linear = 'onednn' needs native weights, not {model.weight_format}")
     if not onednn_available():
