@@ -124,10 +124,12 @@ def cmd_show(args: argparse.Namespace) -> int:
     print(f"run {run['id']} ({run['status']})")
     for r in detail["rounds"]:
         inc = r.get("incumbent") or {}
-        print(f"round {r['index']}: gaps {json.dumps((r.get('gaps') or {}).get('gaps'))}")
+        report = r.get("gaps") or {}
+        parts = ", ".join(f"{g['component']} {g['ms_per_token']:.2f}" for g in report.get("gaps") or [])
+        print(f"round {r['index']}: largest gap {report.get('largest_gap', '-')} (ms/token: {parts or 'none'})")
         for c in r["candidates"]:
             gates = " ".join(f"{g}:{'ok' if ok['passed'] else 'FAIL'}" for g, ok in (c.get("gates") or {}).items())
-            print(f"  {c['cid']:<10}{c['agent']:<12}{c['title'][:50]:<52}{gates}")
+            print(f"  {c['cid']:<12} {c['agent']:<15} {c['title'][:50]:<51} {gates}")
         if inc:
             print(f"  incumbent x{inc.get('heldout_speedup_vs_ar', 0):.2f} vs AR, "
                   f"x{inc.get('heldout_speedup_vs_stock', 0):.2f} vs stock")

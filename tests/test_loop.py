@@ -73,6 +73,18 @@ def test_cli_prints_the_json_summary(first_run):
     assert (work / ".specpilot" / f"run-{summary['run']}").is_dir()  # workspaces next to the store
 
 
+def test_show_prints_each_round(first_run, capsys):
+    db, summary, _, _ = first_run
+    assert main(["show", str(summary["run"]), "--db", str(db)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    rnd = summary["rounds"][0]
+    assert out[0] == f"run {summary['run']} (done)"
+    assert out[1].startswith(f"round 1: largest gap {rnd['largest_gap']} (ms/token: acceptance ")
+    for c in rnd["candidates"]:
+        line = next(x for x in out if c["title"][:50] in x)
+        assert f" {c['agent']} " in line and ("heldout:ok" in line) == (c["verdict"] == "win")
+
+
 def test_every_event_is_stored_in_order(first_run):
     db, summary, _, _ = first_run
     events = Store(db).events(summary["run"])

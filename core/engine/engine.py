@@ -11,6 +11,7 @@ from core.engine.config import ModelLoadError
 from core.engine.decode import GenerateResult, Verification, generate
 from core.engine.drafters import Drafter, ModelDrafter, NgramDrafter, TreeSpec
 from core.engine.model import Transformer
+from core.engine.serve import CostTable, Policy, measure_costs, serve
 from core.engine.tree import chain_paths
 from core.recipe import Recipe, builtin
 
@@ -49,8 +50,8 @@ class Engine:
         self.target_dir = target_dir
         self.drafter_dir = drafter_dir
         self._drafters: dict[tuple, Drafter] = {}
-        self._packed: dict[str, Transformer] = {}
-        self._tables: dict[tuple, object] = {}
+        self._models: dict[str, Transformer] = {}
+        self._tables: dict[tuple, CostTable] = {}
 
     @classmethod
     def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32",
@@ -90,9 +91,9 @@ class Engine:
         return target, drafter
 
     def _converted(self, key: str, build) -> Transformer:
-        if key not in self._packed:
-            self._packed[key] = build()
-        return self._packed[key]
+        if key not in self._models:
+            self._models[key] = build()
+        return self._models[key]
 
     def drafter_for(self, recipe: Recipe) -> Drafter:
         target, drafter_model = self.models_for(recipe)
@@ -130,17 +131,15 @@ class Engine:
         return generate(target, self.drafter_for(recipe), prompts, max_new_tokens, tree_spec(recipe), ver,
                         request_ids)
 
-    def cost_table(self, recipe: Recipe, batch_sizes: list[int]):
+    def cost_table(self, recipe: Recipe, batch_sizes: list[int]) -> CostTable:
         """The batching policies' step prices for this recipe's target (weights, linear backend) and drafter
         (none for n-gram lookup), measured once per batch size and cached."""
-        from core.engine.serve import CostTable, measure_costs
-
         target, _ = self.models_for(recipe)
         drafter = self.drafter_for(recipe)
         d = recipe.draft
         key = (recipe.weights.format, recipe.weights.drafter, recipe.runtime.linear, d.method, d.exit_layer)
         table = self._tables.setdefault(key, CostTable())
-        missing = sorted({b for b in batch_sizes} - {r for r, _ in table.verify})
+        missing = sorted(set(batch_sizes) - {r for r, _ in table.verify})
         if missing:
             model = drafter.model if isinstance(drafter, ModelDrafter) else None
             measured = measure_costs(target, model, missing)
@@ -149,11 +148,9 @@ class Engine:
         return table
 
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
-              table=None, request_ids: list[int] | None = None) -> GenerateResult:
+              table: CostTable | None = None, request_ids: list[int] | None = None) -> GenerateResult:
         """Continuous batching of many requests (recipe None = batched autoregressive decoding). Batching
         policies price steps with `table`, by default the recipe's own measured cost table."""
-        from core.engine.serve import Policy, serve
-
         if recipe is None:
             return serve(self.target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
         target, _ = self.models_for(recipe)
