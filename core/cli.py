@@ -264,6 +264,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     print(f"accepted/step: incumbent {r['incumbent']:.2f} (measured {r['measured_incumbent']:.2f}), "
           f"chain {' '.join(f'{v:.2f}' for v in r['chain'].values())}, "
           f"best tree {' '.join(f'{b}:{v:.2f}' for b, v in r['best_tree'].items())}")
+    for backend, curve in report["profile"]["backend_curves"].items():
+        print(f"verify ms by nodes ({backend}): " + "  ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
     for gap in report["gaps"]:
         mark = "  <- largest" if gap["component"] == report["largest_gap"] else ""
         print(f"  {gap['component']:<11}{gap['ms_per_token']:>9.3f} ms/token{mark}")

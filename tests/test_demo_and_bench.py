@@ -70,3 +70,17 @@ def test_bench_bad_input_is_one_line(tmp_path):
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0
     assert "does not exist" in out.stderr
+
+
+def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
+    d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=6)
+    cmd = [sys.executable, "-m", "core.cli", "profile", "--target", d["target"], "--drafter", d["drafter"],
+           "--workload", d["workload"], "--max-requests", "2", "--dtype", "float32", "--predict", "ngram"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = out.stdout.splitlines()
+    curves = [line for line in lines if line.startswith("verify ms by nodes")]
+    assert [c.split(":")[0] for c in curves] == ["verify ms by nodes (native)", "verify ms by nodes (onednn)"]
+    assert all("1:" in c and "64:" in c for c in curves)
+    assert sum(line.endswith("<- largest") for line in lines) == 1
+    assert any(line.startswith("predicted ngram: ") for line in lines)
