@@ -257,7 +257,8 @@ def builtin(name: str) -> Recipe:
     return presets[name].validate()
 
 
-BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "batch-budget", "batch-allocate", "batch-cap")
+BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "batch-budget", "batch-allocate",
+            "batch-cap")
 
 
 def resolve(spec: str) -> Recipe:

@@ -1,9 +1,10 @@
 """A scripted core for UI tests: implements LoopHandle and emits a realistic, deterministic run.
 
 Per round: measuring -> gaps -> three agents (one streams a good diff, one a lossy diff that fails
-token forcing, one fails outright; `lossy_first` puts the lossy one in the first row) -> gates, forcing and evaluations -> the good candidate awaits a
-decision and the loop blocks until decide() (or stop()). Pause/resume are honoured at every step
-boundary. Decisions are recorded; approving a failed or non-waiting candidate raises DecisionRefused.
+token forcing, one fails outright; `lossy_first` puts the lossy one in the first row) -> gates, forcing
+and evaluations -> the good candidate awaits a decision and the loop blocks until decide() (or stop()).
+Pause/resume are honoured at every step boundary. Decisions are recorded; approving a failed or
+non-waiting candidate raises DecisionRefused.
 `save_run` persists a recorded run into a real core.store.db.Store, as the loop would.
 """
 

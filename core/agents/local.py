@@ -314,8 +314,8 @@ class RuntimeAgent(LocalAgent):
         others = [b for b in curves if b != inc.runtime.linear]
         if not others:
             return AgentFailure(self.name, f"no other linear backend runs here (measured: "
-                                           f"{', '.join(curves) or inc.runtime.linear}; oneDNN runs float32 "
-                                           f"models on a CPU), so the runtime has nothing to change on {tools.device}")
+                                           f"{', '.join(curves) or inc.runtime.linear}; oneDNN runs on a CPU), "
+                                           f"so the runtime has nothing to change on {tools.device}")
         base = evaluate(tools, f"linear {inc.runtime.linear}", inc)
         options = []
         for backend in others:

@@ -4,9 +4,10 @@ projections (verification, prefill) through oneDNN's prepacked GEMM instead of t
 Why: on a CPU a verify step is compute-bound, and the default BLAS (MKL) is slow at the few-row GEMMs
 speculative verification makes (measured on the AVX2 development machine: 1.3-2x slower than oneDNN at
 4-16 rows). A single row (plain decoding, drafting) keeps the default GEMV, which oneDNN does not beat.
-bfloat16 and float16 models run several rows in float32 on exact copies of their weights (3x the weight
-memory; bf16 matmul is emulated on a CPU without bf16 units) and round every projection's output back to
-their dtype. The weights are the same numbers; only the summation order changes, so greedy output can
+oneDNN keeps its own packed float32 copy of every weight (2x the weight memory of a float32 model).
+bfloat16 and float16 models run several rows in float32 on that exact copy of their weights (3x their
+weight memory; bf16 matmul is emulated on a CPU without bf16 units) and round every projection's output
+back to their dtype. The weights are the same numbers; only the summation order changes, so greedy output can
 differ from the reference at floating-point near-ties only (the forcing gate's tie policy decides).
 """
 
