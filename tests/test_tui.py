@@ -152,13 +152,13 @@ def test_cursor_moves_to_the_candidate_awaiting_a_decision() -> None:
     app = make_app(core)
 
     async def script(pilot: Any) -> None:
-        await until(pilot, lambda: "c2" in core.awaiting)
+        await until(pilot, lambda: app.live.state.awaiting() == ["c2"])
         table = app.live.query_one(CandidateTable)
         assert [str(k.value) for k in table.rows][:2] == ["c1", "c2"]
         assert app.live.current_cid == "c2"
         await pilot.press("a")
         assert core.decisions == [("c2", "approve", "")]
-        await until(pilot, lambda: "c5" in core.awaiting)
+        await until(pilot, lambda: app.live.state.awaiting() == ["c5"])
         assert app.live.current_cid == "c5"
         await pilot.press("a")
         assert core.decisions[-1] == ("c5", "approve", "")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from rich.text import Text
 from textual.app import ComposeResult
@@ -27,10 +27,11 @@ class CandidateTable(DataTable):
     COMPONENT_CLASSES = DataTable.COMPONENT_CLASSES | {
         "candidate--good", "candidate--bad", "candidate--waiting", "candidate--plain"}
 
-    def __init__(self, state: DashboardState, selected: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, state: DashboardState, selected: Callable[[], str | None] = lambda: None,
+                 **kwargs: Any) -> None:
         super().__init__(cursor_type="row", zebra_stripes=False, **kwargs)
         self.state = state
-        self._initial = selected
+        self._selected = selected
         self._cells: dict[str, tuple[str, ...]] = {}
         self._ready = False
 
@@ -39,7 +40,7 @@ class CandidateTable(DataTable):
             self.add_column(label, key=key, width=width)
         self._ready = True
         self.sync()
-        self.select(self._initial)
+        self.select(self._selected())  # the selection as of now: events may have moved it since compose
 
     def _state_style(self, cand: CandidateView) -> str:
         if cand.state in ("passed", "approved"):
@@ -97,13 +98,14 @@ class CandidateTable(DataTable):
 class CandidatesPanel(Vertical):
     """The candidates table above the selected candidate's diff."""
 
-    def __init__(self, state: DashboardState, selected: str | None = None, **kwargs: Any) -> None:
+    def __init__(self, state: DashboardState, selected: Callable[[], str | None] = lambda: None,
+                 **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.state = state
-        self._initial = selected
+        self._selected = selected
 
     def compose(self) -> ComposeResult:
-        yield CandidateTable(self.state, self._initial, id="candidates")
+        yield CandidateTable(self.state, self._selected, id="candidates")
         yield DiffView(placeholder="select a candidate to see its proposal", id="diff")
 
     def on_mount(self) -> None:

@@ -60,7 +60,7 @@ class Dashboard(Widget):
         self.set_reactive(Dashboard.wide, self._want_wide())
         yield StatusHeader(self.state, id="header")
         panels = {
-            "tab-candidates": Panel(CandidatesPanel(self.state, self.selected_cid), title="Candidates",
+            "tab-candidates": Panel(CandidatesPanel(self.state, lambda: self.selected_cid), title="Candidates",
                                     id="candidates-panel", classes="panel"),
             "tab-gaps": Panel(GapBars(self.state, id="gaps"), title=lambda: gap_title(self.state.gaps),
                               id="gaps-panel", classes="panel"),
