@@ -4,6 +4,7 @@ store.db, quit with `q` and exit status 0."""
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import sqlite3
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from test_tui_tmux import ROOT, TMUX, tmux, tui_command, wait_for_pane
+from test_tui_tmux import TMUX, quit_status, tmux, tui_command, wait_for_pane
 
 pytestmark = [pytest.mark.skipif(not Path(TMUX).exists(), reason="tmux is not installed"), pytest.mark.slow,
               pytest.mark.timeout(900)]
@@ -36,15 +37,12 @@ def test_real_loop_approve_under_tmux(tmp_path: Path) -> None:
         tmux("send-keys", "-t", session, "a")
         deadline = time.monotonic() + 30
         while _decision(db, cid) is None:
-            screen = tmux("capture-pane", "-p", "-t", session)
-            assert time.monotonic() < deadline, f"approval of {cid} did not reach store.db; screen:\n{screen}"
+            if time.monotonic() > deadline:
+                screen = tmux("capture-pane", "-p", "-t", session)
+                pytest.fail(f"approval of {cid} did not reach store.db; screen:\n{screen}")
             time.sleep(0.5)
         assert _decision(db, cid) == ("approve", "user")
-        tmux("send-keys", "-t", session, "q")
-        deadline = time.monotonic() + 60
-        while not status.exists() and time.monotonic() < deadline:
-            time.sleep(0.5)
-        assert status.read_text().strip() == "0"
+        assert quit_status(session, status, timeout=60) == "0"
     finally:
         subprocess.run([TMUX, "kill-session", "-t", session], capture_output=True)
 
@@ -59,14 +57,10 @@ def _rows(db: Path, sql: str) -> list[tuple]:
 
 def _awaiting(db: Path) -> str | None:
     rows = _rows(db, "select payload from event where kind = 'awaiting_decision' order by seq")
-    import json
-
     return json.loads(rows[0][0])["cid"] if rows else None
 
 
 def _decision(db: Path, cid: str) -> tuple[str, str] | None:
-    import json
-
     for (payload,) in _rows(db, "select payload from event where kind = 'decision' order by seq"):
         p = json.loads(payload)
         if p["cid"] == cid:

@@ -44,6 +44,15 @@ def wait_for_pane(session: str, *needles: str, timeout: float = 30.0) -> str:
     raise AssertionError(f"{needles} not on screen after {timeout}s:\n{screen}")
 
 
+def quit_status(session: str, status: Path, timeout: float) -> str:
+    """Press `q` and return the exit status the pane's shell wrote to `status` ("" if none in time)."""
+    tmux("send-keys", "-t", session, "q")
+    deadline = time.monotonic() + timeout
+    while not status.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return status.read_text().strip() if status.exists() else ""
+
+
 def wait_for_gone(session: str, needle: str, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while needle in tmux("capture-pane", "-p", "-t", session):
@@ -67,10 +76,6 @@ def test_live_dashboard_under_tmux(tmp_path: Path) -> None:
         wait_for_pane(session, "SpecPilot — keys")
         tmux("send-keys", "-t", session, "Escape")
         wait_for_gone(session, "SpecPilot — keys")
-        tmux("send-keys", "-t", session, "q")
-        deadline = time.monotonic() + 20
-        while not status.exists() and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert status.read_text().strip() == "0"
+        assert quit_status(session, status, timeout=20) == "0"
     finally:
         subprocess.run([TMUX, "kill-session", "-t", session], capture_output=True)
