@@ -48,11 +48,11 @@ class Profile:
     """Measured phase costs of one recipe plus the cost curves predict.py needs (ms throughout).
 
     phases: mean ms per step; other_ms: total wall time outside steps (prefill, allocation);
-    verify_curve: nodes -> target forward; backend_curves: the same curve under every runtime.linear backend
-    this device runs; drafters: per drafter ("model", "early_exit:E") its forward
-    per width (curve), real draft() calls per chain depth (chain), their fit (fixed_ms per call, level_ms
-    per level beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms);
-    bytes: what one verify step reads (weights + KV at context_len).
+    verify_curve: nodes -> target forward; backend_curves: the same curve under every runtime.linear
+    backend this device runs; drafters: per drafter ("model", "early_exit:E") its forward per width
+    (curve), real draft() calls per chain depth (chain), their fit (fixed_ms per call, level_ms per level
+    beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms); bytes:
+    what one verify step reads (weights + KV at context_len).
     """
 
     recipe: dict

@@ -13,8 +13,6 @@ differ from the reference at floating-point near-ties only (the forcing gate's t
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 import torch.nn.functional as F
 
@@ -56,14 +54,4 @@ def onednn_transformer(model: Transformer) -> Transformer:
         raise ModelLoadError(f"runtime.linear = 'onednn' needs native weights, not {model.weight_format}")
     if not onednn_available():
         raise ModelLoadError("this torch build has no oneDNN (mkldnn); use runtime.linear = 'native'")
-    copy = object.__new__(Transformer)
-    copy.__dict__.update(model.__dict__)
-    copy.layers = [dataclasses.replace(
-        layer,
-        qkv=onednn_dense(layer.raw["qkv"], layer.raw.get("qkv_bias")),
-        o=onednn_dense(layer.raw["o"]),
-        gate_up=onednn_dense(layer.raw["gate_up"]),
-        down=onednn_dense(layer.raw["down"]),
-    ) for layer in model.layers]
-    copy.lm_head = onednn_dense(model.lm_head_weight)
-    return copy
+    return model.with_projections(onednn_dense)

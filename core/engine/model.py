@@ -7,7 +7,7 @@ step (positions, mask, write indices) built once per forward, not per layer.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -185,6 +185,19 @@ class Transformer:
         view.num_layers = num_layers
         view.layers = self.layers[:num_layers]
         return view
+
+    def with_projections(self, make: Callable[[torch.Tensor, torch.Tensor | None], Linear],
+                         weight_format: str = "native") -> "Transformer":
+        """A copy sharing this model's tensors whose projections and LM head are `make(weight, bias)` (a
+        weight format or a linear backend); norms, embeddings and the cache layout stay as they are."""
+        copy = object.__new__(Transformer)
+        copy.__dict__.update(self.__dict__)
+        copy.layers = [replace(layer, qkv=make(layer.raw["qkv"], layer.raw.get("qkv_bias")),
+                               o=make(layer.raw["o"], None), gate_up=make(layer.raw["gate_up"], None),
+                               down=make(layer.raw["down"], None)) for layer in self.layers]
+        copy.lm_head = make(self.lm_head_weight, None)
+        copy.weight_format = weight_format
+        return copy
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.cfg

@@ -4,8 +4,6 @@ refuses weights that bfloat16 cannot hold exactly."""
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 
 from core.engine.model import Transformer
@@ -27,22 +25,7 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None = None):
 
 def pack_transformer(model: Transformer) -> Transformer:
     """A copy of `model` whose projections (and LM head) read packed12 weights; norms stay native."""
-    packed = object.__new__(Transformer)
-    packed.__dict__.update(model.__dict__)
-    layers = []
-    for layer in model.layers:
-        raw = layer.raw
-        layers.append(dataclasses.replace(
-            layer,
-            qkv=_as_callable(_packed(raw["qkv"], raw.get("qkv_bias")), model.dtype),
-            o=_as_callable(_packed(raw["o"]), model.dtype),
-            gate_up=_as_callable(_packed(raw["gate_up"]), model.dtype),
-            down=_as_callable(_packed(raw["down"]), model.dtype),
-        ))
-    packed.layers = layers
-    packed.weight_format = "packed12"
-    packed.lm_head = _as_callable(_packed(model.lm_head_weight), model.dtype)
-    return packed
+    return model.with_projections(lambda w, b: _as_callable(_packed(w, b), model.dtype), "packed12")
 
 
 def _as_callable(module: torch.nn.Module, dtype: torch.dtype):
