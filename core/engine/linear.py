@@ -51,7 +51,8 @@ def onednn_transformer(model: Transformer) -> Transformer:
         raise ModelLoadError(f"runtime.linear = 'onednn' is a CPU backend; this model is on {model.device}, "
                              "so use linear = 'native'")
     if model.weight_format != "native":
-        raise ModelLoadError(f"runtime.linear = 'onednn' needs native weights, not {model.weight_format}")
+        raise ModelLoadError(f"runtime.linear = 'onednn' needs native weights, not {model.weight_format}; set "
+                             "weights.format = 'native' or linear = 'native'")
     if not onednn_available():
         raise ModelLoadError("this torch build has no oneDNN (mkldnn); use runtime.linear = 'native'")
     return model.with_projections(onednn_dense)
