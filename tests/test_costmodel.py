@@ -19,6 +19,7 @@ from core.engine import Engine, tree_spec
 from core.engine.decode import Verification
 from core.engine.tree import chain_paths, static_prefixes
 from core.recipe import Recipe, builtin
+from kernels import skinny
 
 LIMITS = [26, 17, 22, 30]
 FAKE_PROBE = {"bandwidth_gb_s": 20.0, "matmul_tflops": 0.1}
@@ -162,7 +163,8 @@ def test_prediction_ranks_a_deeper_self_drafted_chain_higher(tiny_pair):
     with pytest.raises(ValueError, match="replay"):
         predict(prof, replay, Recipe.from_dict({"draft": {"method": "ngram"}}))
     # Every linear backend this CPU runs gets its own measured verify curve; a recipe is priced on its own.
-    assert set(prof.backend_curves) == {"native", "onednn"} and prof.backend_curves["native"] == prof.verify_curve
+    runs_here = {"native", "onednn"} | ({"skinny"} if skinny.available() else set())
+    assert set(prof.backend_curves) == runs_here and prof.backend_curves["native"] == prof.verify_curve
     halved = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
     halved.backend_curves["onednn"] = {n: ms / 2 for n, ms in halved.verify_curve.items()}
     native = predict_detail(halved, replay, chain1)["step_ms"]["verify"]

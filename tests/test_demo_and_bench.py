@@ -10,6 +10,7 @@ import torch
 
 import mini_deployment
 from core.deployment import DEMO_DRAFTER, DEMO_TARGET
+from kernels import skinny
 
 
 @pytest.mark.parametrize("model_dir", [DEMO_TARGET, DEMO_DRAFTER], ids=["target", "drafter"])
@@ -80,7 +81,8 @@ def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     curves = [line for line in lines if line.startswith("verify ms by nodes")]
-    assert [c.split(":")[0] for c in curves] == ["verify ms by nodes (native)", "verify ms by nodes (onednn)"]
+    backends = ["native", "onednn"] + (["skinny"] if skinny.available() else [])
+    assert [c.split(":")[0] for c in curves] == [f"verify ms by nodes ({b})" for b in backends]
     assert all("1:" in c and "64:" in c for c in curves)
     assert sum(line.endswith("<- largest") for line in lines) == 1
     assert any(line.startswith("predicted ngram: ") for line in lines)

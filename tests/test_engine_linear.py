@@ -70,7 +70,7 @@ def test_onednn_refusals(tmp_path):
     engine = Engine.load(tmp_path)
     with pytest.raises(ModelLoadError, match="runtime.linear = 'onednn' needs native weights, not packed12"):
         engine.models_for(Recipe.from_dict({**ONEDNN, "weights": {"format": "packed12"}}))
-    with pytest.raises(RecipeError, match=r"runtime.linear = 'mkl' is not allowed; allowed: native, onednn"):
+    with pytest.raises(RecipeError, match=r"runtime.linear = 'mkl' is not allowed; allowed: native, onednn, skinny"):
         Recipe.from_dict({"runtime": {"linear": "mkl"}})
 
 

@@ -302,8 +302,8 @@ class WeightFormatAgent(LocalAgent):
 
 class RuntimeAgent(LocalAgent):
     """Verify gap on a CPU: verification runs few-row GEMMs, where the default BLAS can be much slower than
-    oneDNN's; the profile measured the target's forward under every linear backend, so the choice is priced
-    on this machine, not assumed."""
+    oneDNN's or SpecPilot's skinny kernel; the profile measured the target's forward under every linear
+    backend, so the choice is priced on this machine, not assumed."""
 
     default_name = "runtime"
 
@@ -314,7 +314,7 @@ class RuntimeAgent(LocalAgent):
         others = [b for b in curves if b != inc.runtime.linear]
         if not others:
             return AgentFailure(self.name, f"no other linear backend runs here (measured: "
-                                           f"{', '.join(curves) or inc.runtime.linear}; oneDNN runs on a CPU), "
+                                           f"{', '.join(curves) or inc.runtime.linear}; onednn and skinny run on a CPU), "
                                            f"so the runtime has nothing to change on {tools.device}")
         base = evaluate(tools, f"linear {inc.runtime.linear}", inc)
         options = []
@@ -325,9 +325,9 @@ class RuntimeAgent(LocalAgent):
             option = evaluate(tools, f"linear backend {backend}", inc.replace(runtime={"linear": backend}))
             say(f"linear = {backend}: predicted {option.predicted:.0f} tok/s ({pct(option.predicted, base.predicted)})")
             options.append(option)
-        rationale = ("Verification is compute-bound here and its few-row GEMMs run faster under {best.label} on "
-                     "this CPU (measured forward curve); the weights are the same numbers, so only floating-point "
-                     "near-ties can move: predicted x{speedup:.3f}.")
+        rationale = ("Verification's few-row GEMMs run faster under {best.label} on this CPU (measured forward "
+                     "curve); the weights are the same numbers, so only floating-point near-ties can move: "
+                     "predicted x{speedup:.3f}.")
         return self.finish(ctx, base, options, "linear backend", say, rationale)
 
 

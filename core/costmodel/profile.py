@@ -26,7 +26,6 @@ from core.recipe import LINEAR_BACKENDS, Recipe
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_DEPTHS = (1, 2, 4, 8)
 DYNAMIC_SHAPE = (6, 4, 24)
-PACKED_BITS = 12
 
 
 @dataclass
@@ -144,8 +143,9 @@ def timed_run(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], l
     return run
 
 
-def weight_bytes(model: Transformer, packed: bool = False) -> int:
-    """Parameter bytes of a model (tied embeddings once); packed: 2-D weights at 12 bits per value."""
+def weight_bytes(model: Transformer) -> int:
+    """Parameter bytes a forward of `model` reads (tied embeddings once): weight matrices at the bits its
+    projections read (12 for packed12, 16 for the skinny kernel's bf16 panels), the rest at its dtype."""
     seen: set[int] = set()
     total = 0
 
@@ -155,14 +155,14 @@ def weight_bytes(model: Transformer, packed: bool = False) -> int:
             return
         seen.add(id(t))
         nbytes = t.numel() * t.element_size()
-        if packed and matrix and t.element_size() == 2:
-            nbytes = t.numel() * PACKED_BITS // 8
+        if matrix and model.matrix_bits:
+            nbytes = t.numel() * model.matrix_bits // 8
         total += nbytes
 
     c = model.cfg
+    add(model.lm_head_weight, matrix=True)  # first: a tied embedding is read as the LM head's matrix
     add(model.embed)
     add(model.norm)
-    add(model.lm_head_weight, matrix=True)
     for layer in model.layers:
         for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm):
             add(t)
@@ -298,9 +298,8 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     out_len = statistics.fmean(len(t) for t in run.tokens) if run.tokens else 0.0
     context = max(1, round(prompt_len + out_len / 2))
     context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
-    packed = recipe.weights.format == "packed12"
     curves = forward_curves(backend_targets(engine, recipe), context, NODES, repeats)
-    weights = weight_bytes(target, packed)
+    weights = weight_bytes(target)
     kv = kv_bytes(target, context)
     prof = Profile(
         recipe=recipe.to_dict(),

@@ -84,10 +84,10 @@ class Engine:
             if recipe.weights.drafter and drafter is not None:
                 drafter = self._converted(fmt + ":drafter", lambda: pack_transformer(self.drafter_model))
         if backend != "native":
-            from core.engine.linear import onednn_transformer
+            from core.engine.linear import linear_transformer
 
             base = target
-            target = self._converted(f"{fmt}+{backend}", lambda: onednn_transformer(base))
+            target = self._converted(f"{fmt}+{backend}", lambda: linear_transformer(base, backend))
         return target, drafter
 
     def _converted(self, key: str, build) -> Transformer:

@@ -129,6 +129,7 @@ class Transformer:
         self.device = torch.device(device)
         self.num_layers = num_layers or cfg.num_layers
         self.weight_format = "native"
+        self.matrix_bits: int | None = None  # bits per weight-matrix value the projections read, if not the dtype's
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
@@ -187,9 +188,10 @@ class Transformer:
         return view
 
     def with_projections(self, make: Callable[[torch.Tensor, torch.Tensor | None], Linear],
-                         weight_format: str = "native") -> "Transformer":
+                         weight_format: str = "native", matrix_bits: int | None = None) -> "Transformer":
         """A copy sharing this model's tensors whose projections and LM head are `make(weight, bias)` (a
-        weight format or a linear backend); norms, embeddings and the cache layout stay as they are."""
+        weight format or a linear backend, reading `matrix_bits` per weight value when that is not the
+        dtype's); norms, embeddings and the cache layout stay as they are."""
         copy = object.__new__(Transformer)
         copy.__dict__.update(self.__dict__)
         copy.layers = [replace(layer, qkv=make(layer.raw["qkv"], layer.raw.get("qkv_bias")),
@@ -197,7 +199,12 @@ class Transformer:
                                down=make(layer.raw["down"], None)) for layer in self.layers]
         copy.lm_head = make(self.lm_head_weight, None)
         copy.weight_format = weight_format
+        copy.matrix_bits = matrix_bits
         return copy
+
+    def matrices(self) -> list[torch.Tensor]:
+        """The weight matrices the projections and LM head multiply by (what a weight format stores)."""
+        return [self.lm_head_weight, *(layer.raw[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))]
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         c = self.cfg

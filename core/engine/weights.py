@@ -9,6 +9,9 @@ import torch
 from core.engine.model import Transformer
 
 
+PACKED_BITS = 12
+
+
 class WeightFormatError(ValueError):
     """Weights that a format cannot hold without changing them."""
 
@@ -25,7 +28,7 @@ def _packed(weight: torch.Tensor, bias: torch.Tensor | None = None):
 
 def pack_transformer(model: Transformer) -> Transformer:
     """A copy of `model` whose projections (and LM head) read packed12 weights; norms stay native."""
-    return model.with_projections(lambda w, b: _as_callable(_packed(w, b), model.dtype), "packed12")
+    return model.with_projections(lambda w, b: _as_callable(_packed(w, b), model.dtype), "packed12", PACKED_BITS)
 
 
 def _as_callable(module: torch.nn.Module, dtype: torch.dtype):

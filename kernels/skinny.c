@@ -1,0 +1,117 @@
+/* Skinny GEMM for CPU verification: y[M, N] = x[M, K] @ W[N, K]^T (+ bias), float32, AVX2 + FMA, one thread.
+ *
+ * Speculative verification multiplies a few rows (1 to a few dozen tree nodes) by every weight matrix, so the
+ * step is bounded by reading the weights, not by arithmetic. Generic BLAS kernels are tuned for large M and
+ * read such matrices at a fraction of the memory bandwidth. Here W is packed once into panels of 4 rows whose
+ * k-blocks of 8 are interleaved, so a panel is one sequential stream (the hardware prefetcher sees a single
+ * stream, and a software prefetch runs ahead of it); each panel is read from memory once and stays in L1
+ * while every group of 3 x rows is multiplied against it (12 accumulators + 4 weight registers).
+ *
+ * Packed layout (K padded to a multiple of 8, N to a multiple of 4, padding zero):
+ *   p[((n / 4) * (Kp / 8) + k / 8) * 32 + (n % 4) * 8 + k % 8] = W[n, k]
+ * Panels hold float32, or bfloat16 when every weight is a bfloat16 value (a bf16 checkpoint, loaded in
+ * either dtype): the kernel widens bf16 to float32 exactly (a 16-bit shift), so the products and sums are
+ * the float32 kernel's bit for bit while the weights take half the bytes (and may then fit in the cache).
+ * Summation order: each output is 8 lane-wise partial sums over k (k mod 8), then a fixed horizontal add.
+ */
+#include <immintrin.h>
+
+#define PREFETCH_BLOCKS 16
+
+static inline float hsum(__m256 v) {
+    __m128 a = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    a = _mm_hadd_ps(a, a);
+    a = _mm_hadd_ps(a, a);
+    return _mm_cvtss_f32(a);
+}
+
+#include <stdint.h>
+#include <string.h>
+
+/* w: float32 [n_rows, k]; p: float32 or (bf16 != 0) uint16 panels. bf16 keeps the high half of each float,
+ * which is exact for the weights the caller checked are bfloat16 values. */
+void skinny_pack(const float *w, void *p, long n_rows, long k, long kp, int bf16) {
+    long np = (n_rows + 3) / 4 * 4;
+    for (long n = 0; n < np; n++)
+        for (long j = 0; j < kp; j++) {
+            float v = (n < n_rows && j < k) ? w[n * k + j] : 0.0f;
+            long at = ((n / 4) * (kp / 8) + j / 8) * 32 + (n % 4) * 8 + j % 8;
+            if (bf16) {
+                uint32_t bits;
+                memcpy(&bits, &v, 4);
+                ((uint16_t *)p)[at] = (uint16_t)(bits >> 16);
+            } else {
+                ((float *)p)[at] = v;
+            }
+        }
+}
+
+static inline __attribute__((always_inline)) __m256 load_w(const void *p, long at, int bf16) {
+    if (bf16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + at));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    return _mm256_loadu_ps((const float *)p + at);
+}
+
+static inline void store4(float *y, const float *b, long n, long n_rows, __m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+    float out[4] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3)};
+    for (long j = 0; j < 4 && n + j < n_rows; j++) y[j] = b ? out[j] + b[n + j] : out[j];
+}
+
+/* x: [m_rows, kp] float32 row-major (K zero padded to kp), y: [m_rows, n_rows], b: [n_rows] or NULL. */
+
+static inline __attribute__((always_inline)) void gemm(const float *x, const void *p, const float *b, float *y,
+                                                       long m_rows, long n_rows, long kp, int bf16) {
+    long kb_count = kp / 8, size = bf16 ? 2 : 4;
+    for (long n = 0; n < n_rows; n += 4) {
+        long panel = (n / 4) * kb_count * 32;
+        long m = 0;
+        for (; m + 3 <= m_rows; m += 3) {
+            const float *x0 = x + m * kp, *x1 = x0 + kp, *x2 = x1 + kp;
+            __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
+            __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+            for (long kb = 0; kb < kb_count; kb++) {
+                long at = panel + kb * 32;
+                _mm_prefetch((const char *)p + (at + 32 * PREFETCH_BLOCKS) * size, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + (at + 32 * PREFETCH_BLOCKS + 16) * size, _MM_HINT_T0);
+                __m256 v0 = load_w(p, at, bf16), v1 = load_w(p, at + 8, bf16);
+                __m256 v2 = load_w(p, at + 16, bf16), v3 = load_w(p, at + 24, bf16);
+                __m256 u = _mm256_loadu_ps(x0 + kb * 8);
+                a00 = _mm256_fmadd_ps(u, v0, a00); a01 = _mm256_fmadd_ps(u, v1, a01);
+                a02 = _mm256_fmadd_ps(u, v2, a02); a03 = _mm256_fmadd_ps(u, v3, a03);
+                u = _mm256_loadu_ps(x1 + kb * 8);
+                a10 = _mm256_fmadd_ps(u, v0, a10); a11 = _mm256_fmadd_ps(u, v1, a11);
+                a12 = _mm256_fmadd_ps(u, v2, a12); a13 = _mm256_fmadd_ps(u, v3, a13);
+                u = _mm256_loadu_ps(x2 + kb * 8);
+                a20 = _mm256_fmadd_ps(u, v0, a20); a21 = _mm256_fmadd_ps(u, v1, a21);
+                a22 = _mm256_fmadd_ps(u, v2, a22); a23 = _mm256_fmadd_ps(u, v3, a23);
+            }
+            store4(y + m * n_rows + n, b, n, n_rows, a00, a01, a02, a03);
+            store4(y + (m + 1) * n_rows + n, b, n, n_rows, a10, a11, a12, a13);
+            store4(y + (m + 2) * n_rows + n, b, n, n_rows, a20, a21, a22, a23);
+        }
+        for (; m < m_rows; m++) {
+            const float *x0 = x + m * kp;
+            __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            for (long kb = 0; kb < kb_count; kb++) {
+                long at = panel + kb * 32;
+                _mm_prefetch((const char *)p + (at + 32 * PREFETCH_BLOCKS) * size, _MM_HINT_T0);
+                _mm_prefetch((const char *)p + (at + 32 * PREFETCH_BLOCKS + 16) * size, _MM_HINT_T0);
+                __m256 u = _mm256_loadu_ps(x0 + kb * 8);
+                a0 = _mm256_fmadd_ps(u, load_w(p, at, bf16), a0);
+                a1 = _mm256_fmadd_ps(u, load_w(p, at + 8, bf16), a1);
+                a2 = _mm256_fmadd_ps(u, load_w(p, at + 16, bf16), a2);
+                a3 = _mm256_fmadd_ps(u, load_w(p, at + 24, bf16), a3);
+            }
+            store4(y + m * n_rows + n, b, n, n_rows, a0, a1, a2, a3);
+        }
+    }
+}
+
+void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m_rows, long n_rows, long kp, int bf16) {
+    if (bf16)
+        gemm(x, p, b, y, m_rows, n_rows, kp, 1);
+    else
+        gemm(x, p, b, y, m_rows, n_rows, kp, 0);
+}

@@ -1,0 +1,123 @@
+"""Build, load and call the skinny GEMM (skinny.c) for float32 projections of a few rows on an AVX2 CPU.
+
+The C file is compiled once per source version with the system C compiler (`$CC`, else cc/gcc) into the
+SpecPilot cache (`$SPECPILOT_CACHE_DIR/kernels`, default ~/.cache/specpilot/kernels) and loaded with ctypes:
+no torch headers, so the build takes about a second. Concurrent builders (candidate workers) each compile to
+a private name and rename into place, so a reader never sees a half-written library.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+SOURCE = Path(__file__).with_name("skinny.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+
+
+class SkinnyUnavailable(RuntimeError):
+    """The kernel cannot run here (no AVX2/FMA, no C compiler, or the build failed)."""
+
+
+def cpu_supports_avx2_fma() -> bool:
+    try:
+        flags = Path("/proc/cpuinfo").read_text().split()
+    except OSError:
+        return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return "avx2" in flags and "fma" in flags
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if name and shutil.which(name):
+            return name
+    return None
+
+
+def build_dir() -> Path:
+    return Path(os.environ.get("SPECPILOT_CACHE_DIR") or Path.home() / ".cache" / "specpilot") / "kernels"
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernel, building it on first use; SkinnyUnavailable says why it cannot run here."""
+    if not cpu_supports_avx2_fma():
+        raise SkinnyUnavailable("this CPU has no AVX2+FMA")
+    cc = _compiler()
+    if cc is None:
+        raise SkinnyUnavailable("no C compiler found (set CC or install gcc)")
+    source = SOURCE.read_bytes()
+    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = build_dir() / f"skinny-{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+        if done.returncode != 0:
+            os.unlink(tmp)
+            first = (done.stderr.strip().splitlines() or ["no output"])[0]
+            raise SkinnyUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
+        os.replace(tmp, target)
+    lib = ctypes.CDLL(str(target))
+    ptr, n = ctypes.c_void_p, ctypes.c_long
+    lib.skinny_pack.argtypes = [ptr, ptr, n, n, n, ctypes.c_int]
+    lib.skinny_gemm.argtypes = [ptr, ptr, ptr, ptr, n, n, n, ctypes.c_int]
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here."""
+    try:
+        library()
+    except SkinnyUnavailable:
+        return False
+    return True
+
+
+def bfloat16_exact(weight: torch.Tensor) -> bool:
+    """Whether every value is a bfloat16 number (true of any bf16 checkpoint, whatever dtype it loaded in)."""
+    w = weight.detach()
+    return w.dtype == torch.bfloat16 or torch.equal(w.float().bfloat16().float(), w.float())
+
+
+class SkinnyWeight:
+    """A weight [N, K] packed for skinny_gemm (its own copy; the source tensor is not kept): 16 bits per
+    value when every value is a bfloat16 number, else float32 (`bits` forces 32 on such a weight)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, bits: int | None = None) -> None:
+        if weight.device.type != "cpu" or weight.dim() != 2:
+            raise ValueError("skinny weights are 2-D CPU tensors")
+        self.lib = library()
+        w = weight.detach().float().contiguous()
+        self.n, self.k = w.shape
+        self.kp = (self.k + 7) // 8 * 8
+        self.bits = bits or (16 if bfloat16_exact(weight) else 32)
+        if self.bits not in (16, 32) or (self.bits == 16 and not bfloat16_exact(weight)):
+            raise ValueError(f"skinny panels hold 16 (bfloat16 values only) or 32 bits, not {self.bits}")
+        values = (self.n + 3) // 4 * 4 * self.kp
+        self.packed = torch.empty(values, dtype=torch.int16 if self.bits == 16 else torch.float32)
+        self.lib.skinny_pack(w.data_ptr(), self.packed.data_ptr(), self.n, self.k, self.kp, self.bits == 16)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> float32 [..., N]."""
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.k).float()
+        if self.kp != self.k:
+            rows = F.pad(rows, (0, self.kp - self.k))
+        rows = rows.contiguous()
+        out = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        self.lib.skinny_gemm(rows.data_ptr(), self.packed.data_ptr(),
+                             None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
+                             rows.shape[0], self.n, self.kp, self.bits == 16)
+        return out.view(*lead, self.n)

@@ -1,0 +1,158 @@
+"""runtime.linear = "skinny": SpecPilot's own AVX2 kernel for few-row projections. Its products match torch's
+within float32 rounding, the engine stays lossless against transformers, and it is refused clearly where it
+cannot run."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tiny_models
+from core import forcing
+from core.engine import Engine
+from core.engine.config import ModelLoadError
+from core.costmodel.profile import weight_bytes
+from core.engine.linear import SKINNY_MAX_ROWS
+from core.recipe import Recipe
+from kernels import skinny
+
+SKINNY = {"runtime": {"linear": "skinny"}}
+
+
+needs_kernel = pytest.mark.skipif(not skinny.available(), reason="no AVX2+FMA or no C compiler here")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n, k, rows", [(1, 8, 1), (13, 20, 1), (640, 384, 7), (5, 1024, 4), (130, 72, 50)])
+def test_kernel_matches_torch_with_padding_and_bias(n, k, rows):
+    """Odd N (the last panel is partial), K not a multiple of 8 (zero padded), 1 to 50 rows, with a bias."""
+    g = torch.Generator().manual_seed(n * 1000 + k)
+    w, b, x = (torch.randn(s, generator=g) for s in ((n, k), (n,), (2, rows, k)))
+    for bias in (None, b):
+        out = skinny.SkinnyWeight(w, bias)(x)
+        ref = F.linear(x.double(), w.double(), None if bias is None else bias.double())
+        assert out.shape == (2, rows, n) and out.dtype == torch.float32
+        assert (out.double() - ref).abs().max() <= 1e-5 * (x.abs() @ w.abs().T).max()
+
+
+@needs_kernel
+def test_bfloat16_panels_give_the_float32_kernels_bits():
+    """bf16-valued weights are stored in 16 bits and widened exactly: the same products, sums and order."""
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(37, 96, generator=g).bfloat16().float()
+    x, b = torch.randn(11, 96, generator=g), torch.randn(37, generator=g)
+    half, full = skinny.SkinnyWeight(w, b), skinny.SkinnyWeight(w, b, bits=32)
+    assert (half.bits, full.bits) == (16, 32) and half.packed.element_size() == 2
+    for rows in (1, 2, 3, 4, 11):
+        assert torch.equal(half(x[:rows]), full(x[:rows]))
+    assert skinny.SkinnyWeight(w.bfloat16()).bits == 16
+    assert skinny.SkinnyWeight(torch.randn(8, 8, generator=g)).bits == 32
+    with pytest.raises(ValueError, match="16 .bfloat16 values only."):
+        skinny.SkinnyWeight(torch.randn(8, 8, generator=g), bits=16)
+
+
+@needs_kernel
+def test_kernel_cache_is_built_once_per_source(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path))
+    skinny.library.cache_clear()
+    try:
+        skinny.library()
+        built = list((tmp_path / "kernels").glob("skinny-*.so"))
+        assert len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        skinny.library.cache_clear()
+        skinny.library()
+        assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").iterdir())) == 1
+    finally:
+        skinny.library.cache_clear()
+
+
+@needs_kernel
+def test_skinny_logits_match_native(pair_engine, one_thread):
+    target, _ = pair_engine.models_for(Recipe.from_dict(SKINNY))
+    assert target is not pair_engine.target and target.layers[0].raw is pair_engine.target.layers[0].raw
+    prompt = tiny_models.repeating_prompts([12])[0]
+    for width in (1, 7):
+        logits = []
+        for model in (pair_engine.target, target):
+            cache = model.new_cache(1, 64)
+            model.prefill_row(cache, 0, prompt)
+            toks = torch.tensor([prompt[:width]])
+            anc = torch.tril(torch.ones(width, width, dtype=torch.bool))[None] if width > 1 else None
+            with torch.inference_mode():
+                logits.append(model.step(toks, cache, cache.lengths, torch.arange(width)[None], anc))
+        assert logits[0].shape == logits[1].shape == (1, width, 101)
+        torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
+
+
+@needs_kernel
+def test_skinny_passes_forcing_against_transformers(tiny_pair, pair_engine, one_thread):
+    _, _, hf_target = tiny_pair
+    prompts = tiny_models.repeating_prompts([9, 14, 20], seed=3)
+    limits = [24, 24, 24]
+    for recipe in (Recipe.from_dict(SKINNY),
+                   Recipe.from_dict({**SKINNY, "draft": {"method": "ngram"}, "tree": {"depth": 6}}),
+                   Recipe.from_dict({**SKINNY, "tree": {"policy": "dynamic", "depth": 4, "budget": 10}})):
+        result = forcing.compare(pair_engine, recipe, prompts, limits, reference=hf_target)
+        assert result["passed"], result
+        assert result["clear_mismatches"] == 0 and result["tokens"] == sum(limits)
+
+
+@needs_kernel
+def test_skinny_batched_outputs_equal_single_request_ar(pair_engine, one_thread):
+    """Batched verification crosses SKINNY_MAX_ROWS (wide steps go to oneDNN/BLAS): outputs stay AR's."""
+    prompts = tiny_models.repeating_prompts([9, 14, 20, 11, 16, 7], seed=5)
+    limits = [20, 12, 24, 16, 20, 9]
+    recipe = Recipe.from_dict({**SKINNY, "tree": {"policy": "dynamic", "depth": 4, "budget": 10}})
+    assert 6 * 11 > max(SKINNY_MAX_ROWS.values())
+    ar = [pair_engine.generate([p], [n], speculative=False).tokens[0] for p, n in zip(prompts, limits)]
+    out = pair_engine.serve(prompts, limits, recipe, max_batch=6)
+    assert out.tokens == ar
+
+
+@needs_kernel
+def test_skinny_bfloat16_rounds_float32_products_back(tiny_pair, one_thread):
+    target_dir, drafter_dir, _ = tiny_pair
+    engine = Engine.load(target_dir, drafter_dir, dtype="bfloat16")
+    recipe = Recipe.from_dict({**SKINNY, "draft": {"method": "ngram"}, "tree": {"depth": 6}})
+    target, _ = engine.models_for(recipe)
+    x = torch.randn(2, 5, 64).bfloat16()
+    out = target.layers[0].qkv(x)
+    exact = (x.float() @ target.layers[0].raw["qkv"].float().T).bfloat16()
+    assert out.dtype == torch.bfloat16
+    assert (out.float() - exact.float()).abs().max() <= exact.float().abs().max() * 2 ** -7
+    reference = forcing.load_reference(str(target_dir), "bfloat16")
+    result = forcing.compare(engine, recipe, tiny_models.repeating_prompts([9, 14, 20], seed=3), [24, 24, 24],
+                             reference=reference)
+    assert result["passed"] and result["clear_mismatches"] == 0, result
+
+
+@needs_kernel
+def test_a_bfloat16_checkpoint_in_float32_reads_16_bit_panels_and_stays_lossless(tmp_path, one_thread):
+    """A bf16 checkpoint loaded in float32: the kernel reads half the bytes (the cost model counts them)
+    and greedy output still matches transformers' float32 run of the same checkpoint."""
+    hf = tiny_models.build(tmp_path, "llama2", layers=2, init=0.15, seed=4).to(torch.bfloat16)
+    hf.save_pretrained(tmp_path)
+    engine = Engine.load(tmp_path, dtype="float32")
+    target, _ = engine.models_for(Recipe.from_dict(SKINNY))
+    assert engine.target.matrix_bits is None and target.matrix_bits == 16
+    assert weight_bytes(engine.target) - weight_bytes(target) == sum(w.numel() * 2 for w in target.matrices())
+    reference = forcing.load_reference(str(tmp_path), "float32")
+    recipe = Recipe.from_dict({**SKINNY, "draft": {"method": "ngram"}, "tree": {"depth": 5}})
+    result = forcing.compare(engine, recipe, tiny_models.repeating_prompts([9, 14, 20], seed=2), [24, 24, 24],
+                             reference=reference)
+    assert result["passed"] and result["clear_mismatches"] == 0, result
+
+
+def test_skinny_refusals(tmp_path, monkeypatch):
+    tiny_models.build(tmp_path, "llama2", init=0.1).to(torch.bfloat16).save_pretrained(tmp_path)
+    engine = Engine.load(tmp_path)
+    with pytest.raises(ModelLoadError, match="runtime.linear = 'skinny' needs native weights, not packed12"):
+        engine.models_for(Recipe.from_dict({**SKINNY, "weights": {"format": "packed12"}}))
+    monkeypatch.setattr(skinny, "cpu_supports_avx2_fma", lambda: False)
+    skinny.library.cache_clear()
+    try:
+        with pytest.raises(ModelLoadError, match=r"^runtime.linear = 'skinny' cannot run here: this CPU has no "
+                                                 r"AVX2\+FMA; use linear = 'onednn' or 'native'$"):
+            engine.models_for(Recipe.from_dict(SKINNY))
+    finally:
+        skinny.library.cache_clear()
