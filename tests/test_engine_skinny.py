@@ -39,10 +39,10 @@ def test_bfloat16_panels_give_the_float32_kernels_bits():
     """bf16-valued weights are stored in 16 bits and widened exactly: the same products, sums and order."""
     g = torch.Generator().manual_seed(7)
     w = torch.randn(37, 96, generator=g).bfloat16().float()
-    x, b = torch.randn(11, 96, generator=g), torch.randn(37, generator=g)
+    x, b = torch.randn(40, 96, generator=g), torch.randn(37, generator=g)
     half, full = skinny.SkinnyWeight(w, b), skinny.SkinnyWeight(w, b, bits=32)
     assert (half.bits, full.bits) == (16, 32) and half.packed.element_size() == 2
-    for rows in (1, 2, 3, 4, 11):
+    for rows in (1, 2, 3, 4, 11, 40):  # 10 rows and more widen each bf16 panel once into a float32 scratch
         assert torch.equal(half(x[:rows]), full(x[:rows]))
     assert skinny.SkinnyWeight(w.bfloat16()).bits == 16
     assert skinny.SkinnyWeight(torch.randn(8, 8, generator=g)).bits == 32
@@ -103,7 +103,7 @@ def test_skinny_batched_outputs_equal_single_request_ar(pair_engine, one_thread)
     prompts = tiny_models.repeating_prompts([9, 14, 20, 11, 16, 7], seed=5)
     limits = [20, 12, 24, 16, 20, 9]
     recipe = Recipe.from_dict({**SKINNY, "tree": {"policy": "dynamic", "depth": 4, "budget": 10}})
-    assert 6 * 11 > max(SKINNY_MAX_ROWS.values())
+    assert pair_engine.models_for(recipe)[0].matrix_bits is None and 6 * 11 > SKINNY_MAX_ROWS[32]
     ar = [pair_engine.generate([p], [n], speculative=False).tokens[0] for p, n in zip(prompts, limits)]
     out = pair_engine.serve(prompts, limits, recipe, max_batch=6)
     assert out.tokens == ar

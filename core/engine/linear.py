@@ -1,19 +1,22 @@
-"""Linear backends as a runtime mechanism: `[runtime] linear = "onednn"` runs the target's multi-row
-projections (verification, prefill) through oneDNN's prepacked GEMM instead of torch's default BLAS;
-`linear = "skinny"` runs projections of up to SKINNY_MAX_ROWS rows through SpecPilot's own AVX2 kernel
-(kernels/skinny.c), which reads each packed weight matrix as one sequential stream, and wider ones through
-oneDNN.
+"""Linear backends as a runtime mechanism for the target's projections on a CPU.
 
-Why: on a CPU a verify step is compute-bound, and the default BLAS (MKL) is slow at the few-row GEMMs
-speculative verification makes (measured on the AVX2 development machine: 1.3-2x slower than oneDNN at
-4-16 rows). A single row (plain decoding, drafting) keeps the default GEMV, which oneDNN does not beat.
-oneDNN keeps its own packed float32 copy of every weight (2x the weight memory of a float32 model).
-bfloat16 and float16 models run several rows in float32 on that exact copy of their weights (3x their
-weight memory; bf16 matmul is emulated on a CPU without bf16 units) and round every projection's output
-back to their dtype. The skinny kernel does the same in float32 for every row count (measured on the AVX2
-development machine, all projections of the demo target: 1.2x faster than MKL at 1 row, 2.0-2.4x at 3-9
-rows, 1.5x at 33; oneDNN overtakes it from about 48 rows). The weights are the same numbers; only the summation order changes, so greedy output can
-differ from the reference at floating-point near-ties only (the forcing gate's tie policy decides).
+`[runtime] linear = "onednn"` runs multi-row projections (verification, prefill) through oneDNN's
+prepacked GEMM instead of torch's default BLAS; `linear = "skinny"` runs them through SpecPilot's own AVX2
+kernel (kernels/skinny.c) up to SKINNY_MAX_ROWS rows, and through oneDNN above.
+
+Why: a verify step multiplies a few rows by every weight, and the default BLAS (MKL) is slow at such
+GEMMs on the AVX2 development machine. Measured there, all projections of the demo target (bf16 values
+loaded in float32), milliseconds for 1 / 3 / 5 / 12 / 33 / 64 rows: MKL 7.4 / 14.1 / 12.3 / 14.0 / 28.1 /
+37.2, oneDNN 8.1 / 8.3 / 8.9 / 13.1 / 17.6 / 30.8, skinny 3.0 / 2.7 / 3.9 / 6.0 / 15.2 / 26.7. The skinny
+kernel reads each weight matrix as one sequential stream, in 16 bits when the weights are bfloat16
+values (any bf16 checkpoint), which halves the bytes and lets the demo target's weights stay in the cache.
+
+oneDNN keeps its own packed float32 copy of every weight; onednn keeps the default GEMV for a single row,
+which it does not beat. The skinny backend keeps its packed copy (16 or 32 bits per weight) plus oneDNN's.
+bfloat16 and float16 models compute in float32 on exact copies of their weights (bf16 matmul is emulated
+on a CPU without bf16 units) and round every projection's output back to their dtype. The weights are the
+same numbers; only the summation order changes, so greedy output can differ from the reference at
+floating-point near-ties only (the forcing gate's tie policy decides).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from core.engine.config import ModelLoadError
 from kernels.skinny import SkinnyUnavailable, SkinnyWeight, bfloat16_exact, library
 from core.engine.model import Linear, Transformer, dense
 
-SKINNY_MAX_ROWS = {16: 28, 32: 48}  # by panel bits: above this many rows oneDNN's GEMM is faster (measured)
+SKINNY_MAX_ROWS = {16: 256, 32: 48}  # by panel bits: above this many rows oneDNN is as fast or faster (measured)
 
 
 def onednn_available() -> bool:
