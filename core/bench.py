@@ -153,11 +153,14 @@ def table(summary: dict) -> str:
     """A plain-text table of a bench summary."""
     rows = summary["results"]
     if "batch_sizes" in summary:
-        lines = [f"{'batch':>5}  {'system':<16}{'tok/s':>9}{'vs batched AR':>15}{'accept':>8}{'mismatch':>10}"]
+        width = max(16, *(len(r["name"]) + 2 for r in rows))
+        lines = [f"{'batch':>5}  {'system':<{width}}{'tok/s':>9}{'vs batched AR':>15}{'same runtime':>14}"
+                 f"{'accept':>8}{'mismatch':>10}"]
         for r in rows:
             acc = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
-            lines.append(f"{r['batch_size']:>5}  {r['name']:<16}{r['tokens_per_s']:>9.1f}"
-                         f"{r['speedup_vs_ar']:>14.2f}x{acc:>8}{r['mismatched_requests']!s:>10}")
+            same = f"{r['speedup_vs_ar_same_runtime']:.2f}x" if "speedup_vs_ar_same_runtime" in r else "-"
+            lines.append(f"{r['batch_size']:>5}  {r['name']:<{width}}{r['tokens_per_s']:>9.1f}"
+                         f"{r['speedup_vs_ar']:>14.2f}x{same:>14}{acc:>8}{r['mismatched_requests']!s:>10}")
         return "\n".join(lines)
     base = next((r["tokens_per_s"] for r in rows if r["name"] == summary["reference"]), None)
     lines = [f"{'system':<16}{'tok/s':>9}{'min':>9}{'max':>9}{'vs ' + summary['reference']:>10}{'accept':>8}"

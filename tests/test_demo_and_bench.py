@@ -54,15 +54,26 @@ def test_bench_json_fields(tmp_path):
 
 
 def test_bench_batched_json(tmp_path):
+    """Every system at every batch size; a recipe on another linear backend is also compared with batched AR
+    on that backend (system "ar+onednn")."""
     d = mini_deployment.build(tmp_path, requests=3, max_new_tokens=6)
+    onednn = tmp_path / "budget-onednn.toml"
+    onednn.write_text('name = "budget-onednn"\n\n[batching]\npolicy = "budget"\n\n[runtime]\nlinear = "onednn"\n')
     cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
-           "--workload", d["workload"], "--repeats", "1", "--recipes", "stock,batch-budget", "--batch-sizes", "1,2",
-           "--quiet", "--json", "--dtype", "float32"]
+           "--workload", d["workload"], "--repeats", "1", "--recipes", f"stock,batch-budget,{onednn}",
+           "--batch-sizes", "1,2", "--quiet", "--json", "--dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     results = json.loads(out.stdout)["results"]
-    assert {(r["batch_size"], r["name"]) for r in results} == {(b, n) for b in (1, 2) for n in ("ar", "stock", "batch-budget")}
+    names = ("ar", "ar+onednn", "stock", "batch-budget", "budget-onednn")
+    assert {(r["batch_size"], r["name"]) for r in results} == {(b, n) for b in (1, 2) for n in names}
     assert all(r["mismatched_requests"] == 0 for r in results)
+    for b in (1, 2):
+        by = {r["name"]: r for r in results if r["batch_size"] == b}
+        assert by["ar+onednn"]["mean_accepted_length"] is None and by["budget-onednn"]["mean_accepted_length"] > 0
+        assert "speedup_vs_ar_same_runtime" not in by["stock"]
+        same = by["budget-onednn"]["tokens_per_s"] / by["ar+onednn"]["tokens_per_s"]
+        assert by["budget-onednn"]["speedup_vs_ar_same_runtime"] == pytest.approx(same)
 
 
 def test_bench_bad_input_is_one_line(tmp_path):

@@ -148,11 +148,14 @@ class Engine:
         return table
 
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
-              table: CostTable | None = None, request_ids: list[int] | None = None) -> GenerateResult:
-        """Continuous batching of many requests (recipe None = batched autoregressive decoding). Batching
-        policies price steps with `table`, by default the recipe's own measured cost table."""
-        if recipe is None:
-            return serve(self.target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
+              table: CostTable | None = None, request_ids: list[int] | None = None,
+              speculative: bool = True) -> GenerateResult:
+        """Continuous batching of many requests (recipe None = batched autoregressive decoding; speculative
+        False = the same on the recipe's target, its weight format and linear backend). Batching policies
+        price steps with `table`, by default the recipe's own measured cost table."""
+        if recipe is None or not speculative:
+            target = self.target if recipe is None else self.models_for(recipe)[0]
+            return serve(target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
         target, _ = self.models_for(recipe)
         b, v = recipe.batching, recipe.verify
         if table is None and b.policy != "fixed":
