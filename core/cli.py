@@ -266,6 +266,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"best tree {' '.join(f'{b}:{v:.2f}' for b, v in r['best_tree'].items())}")
     for backend, curve in report["profile"]["backend_curves"].items():
         print(f"verify ms by nodes ({backend}): " + "  ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
+    dispatch = report["profile"]["dispatch_curve"]
+    print("outside weight products: " + "  ".join(f"{n}:{ms:.1f}" for n, ms in dispatch.items()))
     for gap in report["gaps"]:
         mark = "  <- largest" if gap["component"] == report["largest_gap"] else ""
         print(f"  {gap['component']:<11}{gap['ms_per_token']:>9.3f} ms/token{mark}")

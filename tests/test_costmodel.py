@@ -13,7 +13,7 @@ from core.costmodel import replay as rp
 from core.costmodel import trees
 from core.costmodel.predict import drafter_cost, predict, predict_detail
 from core.costmodel.probe import probe
-from core.costmodel.profile import Profile, profile
+from core.costmodel.profile import Profile, interpolate, profile
 from core.costmodel.report import analyse
 from core.engine import Engine, tree_spec
 from core.engine.decode import Verification
@@ -117,7 +117,15 @@ def test_gaps_add_up(engine):
     report = analyse(engine, recipe, prompts(3), LIMITS[:3], budgets=(4, 8, 16), probe_result=FAKE_PROBE, repeats=3,
                      candidates=candidates)
     parts = {g["component"]: g["ms_per_token"] for g in report["gaps"]}
-    assert set(parts) == {"acceptance", "verify", "drafting", "host", "batching"}
+    assert set(parts) == {"acceptance", "verify", "dispatch", "drafting", "host", "batching"}
+    # dispatch: the verify forwards' time outside the weight products, measured on the same forward with
+    # the products removed (on these tiny models the products cost next to nothing, so no ordering)
+    prof = report["profile"]
+    dispatch, full = prof["dispatch_curve"], prof["verify_curve"]
+    assert set(dispatch) == set(full) and all(ms > 0 for ms in dispatch.values())
+    steps = prof["steps"]
+    expected = steps * interpolate(dispatch, prof["nodes_per_step"]) / prof["tokens"]
+    assert parts["dispatch"] == pytest.approx(expected)
     diff = report["measured_ms_per_token"] - report["ceiling_ms_per_token"]
     assert math.isclose(sum(parts.values()), diff, rel_tol=1e-9)
     assert report["largest_gap"] == max(parts, key=parts.get)
@@ -189,3 +197,17 @@ def test_cli_registers_profile_and_verify():
     assert args.recipe == "chain6" and args.json and args.max_requests == 2
     args = build_parser().parse_args(["verify", "--recipe", "ngram", "--workload", "w.jsonl"])
     assert args.recipe == "ngram" and args.workload == "w.jsonl"
+
+
+def test_without_products_keeps_everything_but_the_weight_products(engine):
+    """The dispatch probe's model runs the same ops minus the products (zero logits); the model is untouched."""
+    from core.costmodel.profile import without_products
+
+    bare = without_products(engine.target)
+    assert bare.layers[0].raw is engine.target.layers[0].raw and bare.matrix_bits == engine.target.matrix_bits
+    cache = bare.new_cache(1, 16)
+    with torch.inference_mode():
+        logits = bare.step(torch.tensor([[3, 4, 5]]), cache, cache.lengths, torch.arange(3)[None],
+                           torch.tril(torch.ones(3, 3, dtype=torch.bool))[None])
+    assert logits.shape == (1, 3, engine.target.cfg.vocab_size) and not logits.any()
+    assert engine.target.layers[0].qkv(torch.ones(1, 1, engine.target.cfg.hidden_size)).any()

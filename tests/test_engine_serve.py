@@ -105,3 +105,23 @@ def test_each_recipe_is_priced_with_its_own_cost_table(setup):
     assert engine.cost_table(ngram.replace(batching={"policy": "allocate"}), [3]) is t_ngram
     for recipe in (ngram, model):
         assert engine.serve(prompts, limits, recipe, 3).tokens == reference
+
+
+def test_policies_price_the_per_step_overhead_they_observe():
+    """Every step pays its overhead whatever the depth, so counting it makes deeper drafts pay: here depth 0
+    wins on the forward alone and depth 2 once a 20 ms overhead per step is priced in."""
+    from core.engine.serve import best_uniform_depth
+
+    table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
+    assert best_uniform_depth(table, 2, 0.5, max_depth=2) == 0
+    assert best_uniform_depth(table, 2, 0.5, max_depth=2, overhead_ms=20.0) == 2
+    policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
+    assert policy.depths([0.5, 0.5]) == [0, 0]
+    policy.observe(2, 1, 25.0)  # 15 ms priced for one draft token per row: 10 ms of overhead
+    assert policy.overhead_ms == {2: 10.0}
+    policy.observe(2, 0, 40.0)  # 30 ms more than the 1-token forward: moving average 0.8 * 10 + 0.2 * 30
+    assert policy.overhead_ms[2] == pytest.approx(14.0)
+    assert policy.depths([0.5, 0.5]) != [0, 0]
+    fixed = Policy("fixed", None, table)
+    fixed.observe(2, 1, 99.0)
+    assert fixed.overhead_ms == {}

@@ -498,6 +498,7 @@ GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "drafting": (DrafterChoiceAgent, DraftLengthAgent),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (DraftLengthAgent, RuntimeAgent),
+    "dispatch": (DraftLengthAgent, TreeShapeAgent),
     "batching": (BatchingAgent,),
 }
 DEFAULT_ORDER: tuple[type[LocalAgent], ...] = (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent,

@@ -24,6 +24,8 @@ HINTS = {
     "verify": "bring the verify step toward its bandwidth floor: a faster linear backend (runtime.linear), fewer "
               "weight bytes (packed12), fewer nodes",
     "host": "cut per-step host overhead: fewer steps per token, less Python per step",
+    "dispatch": "cut the verify forward's time outside its weight products (op dispatch, norms, attention): fewer "
+                "forwards per token (longer drafts, bigger trees), a fused or compiled forward",
     "batching": "share the verify budget across requests: batching policy and node budget",
 }
 

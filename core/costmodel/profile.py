@@ -26,6 +26,7 @@ from core.recipe import LINEAR_BACKENDS, Recipe
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_DEPTHS = (1, 2, 4, 8)
 DYNAMIC_SHAPE = (6, 4, 24)
+DISPATCH = " dispatch"  # forward_curves key of the forward without weight products (no backend has a space)
 
 
 @dataclass
@@ -51,7 +52,9 @@ class Profile:
     backend this device runs; drafters: per drafter ("model", "early_exit:E") its forward per width
     (curve), real draft() calls per chain depth (chain), their fit (fixed_ms per call, level_ms per level
     beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms); bytes:
-    what one verify step reads (weights + KV at context_len).
+    what one verify step reads (weights + KV at context_len); dispatch_curve: nodes -> the same target
+    forward with every weight product removed (outputs allocated, not computed), i.e. what a forward costs
+    outside its weight matrices: op dispatch and the small ops (norms, RoPE, attention at these sizes).
     """
 
     recipe: dict
@@ -71,6 +74,7 @@ class Profile:
     drafters: dict[str, dict] = field(default_factory=dict)
     bytes: dict[str, int] = field(default_factory=dict)
     backend_curves: dict[str, dict[int, float]] = field(default_factory=dict)
+    dispatch_curve: dict[int, float] = field(default_factory=dict)
 
     def verify_curve_for(self, backend: str) -> dict[int, float]:
         """The target's forward curve under a linear backend (the profiled recipe's when not measured)."""
@@ -85,6 +89,7 @@ class Profile:
         data = dict(data)
         data["verify_curve"] = _int_keys(data["verify_curve"])
         data["backend_curves"] = {k: _int_keys(c) for k, c in data.get("backend_curves", {}).items()}
+        data["dispatch_curve"] = _int_keys(data.get("dispatch_curve", {}))
         data["drafters"] = {kind: {**d, "curve": _int_keys(d["curve"]), "chain": _int_keys(d["chain"])}
                             for kind, d in data.get("drafters", {}).items()}
         return cls(**data)
@@ -272,6 +277,16 @@ def drafter_costs(model: Transformer, context: int, prompt: list[int], widths: t
     }
 
 
+def without_products(model: Transformer) -> Transformer:
+    """`model` with every projection and the LM head replaced by a zero output of the right shape: its
+    forward times everything but the weight products (zeros, not uninitialised memory, so no NaN or
+    denormal slows the ops that remain)."""
+    def make(weight: torch.Tensor, bias: torch.Tensor | None):
+        return lambda x: x.new_zeros(*x.shape[:-1], weight.shape[0])
+
+    return model.with_projections(make, model.weight_format, model.matrix_bits)
+
+
 def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
     """The recipe's target under every linear backend that runs on this device and dtype."""
     targets = {}
@@ -298,7 +313,9 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     out_len = statistics.fmean(len(t) for t in run.tokens) if run.tokens else 0.0
     context = max(1, round(prompt_len + out_len / 2))
     context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
-    curves = forward_curves(backend_targets(engine, recipe), context, NODES, repeats)
+    curves = forward_curves({**backend_targets(engine, recipe), DISPATCH: without_products(target)}, context, NODES,
+                            repeats)
+    dispatch = curves.pop(DISPATCH)
     weights = weight_bytes(target)
     kv = kv_bytes(target, context)
     prof = Profile(
@@ -318,6 +335,7 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         verify_curve=curves[recipe.runtime.linear],
         bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context},
         backend_curves=curves,
+        dispatch_curve=dispatch,
     )
     widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
     prompt = max(prompts, key=len)[: max(2, round(prompt_len))]

@@ -7,11 +7,14 @@ ceiling (ms/token) = floor / L_best, L_best the best replayed accepted length (b
 With T output tokens over S steps (L_inc = T / S, the incumbent's measured tokens per step) and phase totals
 from the timed run, the gaps in ms per output token are
   acceptance   floor / L_inc - floor / L_best
-  verify       (verify - S * floor) / T          (verify work beyond the floor)
+  verify       (verify - S * floor - S * D) / T  (verify work in the weight products beyond the floor)
+  dispatch     S * D / T                         (verify forwards' time outside the weight products)
   drafting     draft / T
   host         (commit + host + wall outside steps: prefill, allocation) / T - batching
   batching     0 at batch 1, or what batched measurements attribute to batching
-and they add up to measured - ceiling exactly, by construction.
+where D is the profile's dispatch curve (a target forward with its weight products removed) at the
+incumbent's nodes per step: op dispatch and the small ops, which a faster GEMM cannot cut and fewer forwards
+per token or a fused/compiled forward can. They add up to measured - ceiling exactly, by construction.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from __future__ import annotations
 from core.costmodel import replay as rp
 from core.costmodel.predict import predict, predict_detail
 from core.costmodel.probe import probe
-from core.costmodel.profile import Profile, profile, timed_run
+from core.costmodel.profile import Profile, interpolate, profile, timed_run
 from core.engine import Engine
 from core.engine.engine import tree_spec
 from core.engine.model import DTYPES
@@ -46,9 +49,11 @@ def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_tok
     measured = prof.wall_ms / T
     ceiling = floor_ms / best_length
     outside = prof.wall_ms - sum(totals.values())
+    dispatch = S * interpolate(prof.dispatch_curve, prof.nodes_per_step)
     parts = {
         "acceptance": floor_ms * S / T - ceiling,
-        "verify": (totals["verify_ms"] - S * floor_ms) / T,
+        "verify": (totals["verify_ms"] - S * floor_ms - dispatch) / T,
+        "dispatch": dispatch / T,
         "drafting": totals["draft_ms"] / T,
         "host": (totals["commit_ms"] + totals["host_ms"] + outside) / T - batching_ms_per_token,
         "batching": batching_ms_per_token,

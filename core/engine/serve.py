@@ -8,6 +8,9 @@ Batching policies decide each row's draft depth per step:
             size (down to 0: no speculation where it stops paying);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
+A step's price is the table's forward and draft cost plus the step's own overhead (verification around
+the forward, commit, bookkeeping), which the policy measures as the run goes: every step pays it whatever
+the depth, so it is what speculation amortises, and leaving it out makes wide batches look unprofitable.
 """
 
 from __future__ import annotations
@@ -78,10 +81,12 @@ def expected_accepted(alpha: float, depth: int) -> float:
     return sum(alpha ** k for k in range(depth + 1))
 
 
-def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH) -> int:
-    """Depth maximising tokens per ms at this batch size (0 = plain decoding)."""
+def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
+                       overhead_ms: float = 0.0) -> int:
+    """Depth maximising tokens per ms at this batch size (0 = plain decoding); `overhead_ms` is what every
+    step costs besides its forward and drafting."""
     def rate(d: int) -> float:
-        cost = table.verify_ms(rows, d + 1) + d * table.draft.get(rows, 0.0)
+        cost = table.verify_ms(rows, d + 1) + d * table.draft.get(rows, 0.0) + overhead_ms
         return expected_accepted(alpha, d) / cost
     return max(range(max_depth + 1), key=rate)
 
@@ -112,6 +117,7 @@ class Policy:
     table: CostTable | None = None
     node_budget: int = 0
     token_cap: int = 0
+    overhead_ms: dict[int, float] = field(default_factory=dict)
 
     def depths(self, alphas: list[float]) -> list[int] | None:
         """Per-row chain depths for this step, or None to use `spec` unchanged."""
@@ -119,14 +125,23 @@ class Policy:
         if self.name == "fixed" or self.table is None:
             return None
         mean = sum(alphas) / n
+        uniform = best_uniform_depth(self.table, n, mean, overhead_ms=self.overhead_ms.get(n, 0.0))
         if self.name == "budget":
-            return [best_uniform_depth(self.table, n, mean)] * n
+            return [uniform] * n
         if self.name == "allocate":
-            nodes = self.node_budget or n * best_uniform_depth(self.table, n, mean)
-            return allocate(alphas, nodes)
+            return allocate(alphas, self.node_budget or n * uniform)
         cap = self.token_cap or bend(self.table, n)
-        uniform = best_uniform_depth(self.table, n, mean)
         return allocate(alphas, min(cap - n, n * max(uniform, 1)))
+
+    def observe(self, rows: int, depth: int, step_ms: float) -> None:
+        """Learn the per-step overhead at this batch size from a step that took `step_ms` (admission and
+        prefill excluded) with `depth` the deepest draft: what the table does not price."""
+        if self.table is None or self.name == "fixed":
+            return
+        priced = self.table.verify_ms(rows, depth + 1) + depth * self.table.draft.get(rows, 0.0)
+        seen = max(0.0, step_ms - priced)
+        old = self.overhead_ms.get(rows)
+        self.overhead_ms[rows] = seen if old is None else 0.8 * old + 0.2 * seen
 
 
 def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]], limits: list[int],
@@ -231,6 +246,8 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                 if speculative:
                     drafter.drop_last()
             t5 = time.perf_counter()
+            if depths is not None:
+                policy.observe(n, max(depths), (t5 - t1) * 1e3)
             steps.append(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t1 - t0 + t5 - t4) * 1e3,
                                    sum(len(t) for t in trees), accepted))
     return GenerateResult(outputs, steps, time.perf_counter() - start)
