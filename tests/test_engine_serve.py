@@ -107,20 +107,21 @@ def test_each_recipe_is_priced_with_its_own_cost_table(setup):
         assert engine.serve(prompts, limits, recipe, 3).tokens == reference
 
 
-def test_policies_price_the_per_step_overhead_they_observe():
-    """Every step pays its overhead whatever the depth, so counting it makes deeper drafts pay: here depth 0
-    wins on the forward alone and depth 2 once a 20 ms overhead per step is priced in."""
+def test_policies_price_the_step_overhead_they_observe():
+    """A per-step overhead every depth pays makes deeper drafts pay (depth 0 wins on the forward alone, depth
+    2 once 20 ms per step is priced in); an overhead that grows with depth is learned per depth."""
     from core.engine.serve import best_uniform_depth
 
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
     assert best_uniform_depth(table, 2, 0.5, max_depth=2) == 0
-    assert best_uniform_depth(table, 2, 0.5, max_depth=2, overhead_ms=20.0) == 2
+    assert best_uniform_depth(table, 2, 0.5, max_depth=2, overhead_ms={0: 20.0}) == 2
+    assert best_uniform_depth(table, 2, 0.5, max_depth=2, overhead_ms={0: 20.0, 2: 40.0}) == 1
     policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
     assert policy.depths([0.5, 0.5]) == [0, 0]
-    policy.observe(2, 1, 25.0)  # 15 ms priced for one draft token per row: 10 ms of overhead
-    assert policy.overhead_ms == {2: 10.0}
-    policy.observe(2, 0, 40.0)  # 30 ms more than the 1-token forward: moving average 0.8 * 10 + 0.2 * 30
-    assert policy.overhead_ms[2] == pytest.approx(14.0)
+    policy.observe(2, 1, 25.0)  # 15 ms priced for one draft token per row: 10 ms beyond the table
+    assert policy.overhead_ms == {2: {1: 10.0}}
+    policy.observe(2, 1, 45.0)  # moving average 0.8 * 10 + 0.2 * 30
+    assert policy.overhead_ms[2][1] == pytest.approx(14.0)
     assert policy.depths([0.5, 0.5]) != [0, 0]
     fixed = Policy("fixed", None, table)
     fixed.observe(2, 1, 99.0)

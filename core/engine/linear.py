@@ -25,8 +25,8 @@ import torch
 import torch.nn.functional as F
 
 from core.engine.config import ModelLoadError
-from kernels.skinny import SkinnyUnavailable, SkinnyWeight, bfloat16_exact, library
 from core.engine.model import Linear, Transformer, dense
+from kernels.skinny import SkinnyUnavailable, SkinnyWeight, bfloat16_exact, library
 
 SKINNY_MAX_ROWS = {16: 256, 32: 48}  # by panel bits: above this many rows oneDNN is as fast or faster (measured)
 

@@ -8,9 +8,11 @@ Batching policies decide each row's draft depth per step:
             size (down to 0: no speculation where it stops paying);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
-A step's price is the table's forward and draft cost plus the step's own overhead (verification around
-the forward, commit, bookkeeping), which the policy measures as the run goes: every step pays it whatever
-the depth, so it is what speculation amortises, and leaving it out makes wide batches look unprofitable.
+A step's price is the table's forward and draft cost plus what real steps of that batch size and depth
+cost beyond it (verification around the forward, commit, bookkeeping, a cache that is not warm), which
+the policy measures as the run goes; a depth not yet tried is priced with the nearest one measured. Every
+step pays the part that does not grow with depth, so it is what speculation amortises; the part that does
+grow keeps wide steps from looking cheaper than they are.
 """
 
 from __future__ import annotations
@@ -82,11 +84,14 @@ def expected_accepted(alpha: float, depth: int) -> float:
 
 
 def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
-                       overhead_ms: float = 0.0) -> int:
-    """Depth maximising tokens per ms at this batch size (0 = plain decoding); `overhead_ms` is what every
-    step costs besides its forward and drafting."""
+                       overhead_ms: dict[int, float] | None = None) -> int:
+    """Depth maximising tokens per ms at this batch size (0 = plain decoding); `overhead_ms` maps a depth
+    to what a step of it costs besides the table's forward and drafting (nearest measured depth if absent)."""
+    seen = overhead_ms or {}
+
     def rate(d: int) -> float:
-        cost = table.verify_ms(rows, d + 1) + d * table.draft.get(rows, 0.0) + overhead_ms
+        extra = seen[min(seen, key=lambda k: (abs(k - d), k))] if seen else 0.0
+        cost = table.verify_ms(rows, d + 1) + d * table.draft.get(rows, 0.0) + extra
         return expected_accepted(alpha, d) / cost
     return max(range(max_depth + 1), key=rate)
 
@@ -117,7 +122,7 @@ class Policy:
     table: CostTable | None = None
     node_budget: int = 0
     token_cap: int = 0
-    overhead_ms: dict[int, float] = field(default_factory=dict)
+    overhead_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> depth -> ms
 
     def depths(self, alphas: list[float]) -> list[int] | None:
         """Per-row chain depths for this step, or None to use `spec` unchanged."""
@@ -125,7 +130,7 @@ class Policy:
         if self.name == "fixed" or self.table is None:
             return None
         mean = sum(alphas) / n
-        uniform = best_uniform_depth(self.table, n, mean, overhead_ms=self.overhead_ms.get(n, 0.0))
+        uniform = best_uniform_depth(self.table, n, mean, overhead_ms=self.overhead_ms.get(n))
         if self.name == "budget":
             return [uniform] * n
         if self.name == "allocate":
@@ -134,14 +139,14 @@ class Policy:
         return allocate(alphas, min(cap - n, n * max(uniform, 1)))
 
     def observe(self, rows: int, depth: int, step_ms: float) -> None:
-        """Learn the per-step overhead at this batch size from a step that took `step_ms` (admission and
-        prefill excluded) with `depth` the deepest draft: what the table does not price."""
+        """Learn what a step of this batch size and depth (the deepest draft) costs beyond the table's price,
+        from one that took `step_ms` (admission and prefill excluded); a moving average per depth."""
         if self.table is None or self.name == "fixed":
             return
         priced = self.table.verify_ms(rows, depth + 1) + depth * self.table.draft.get(rows, 0.0)
         seen = max(0.0, step_ms - priced)
-        old = self.overhead_ms.get(rows)
-        self.overhead_ms[rows] = seen if old is None else 0.8 * old + 0.2 * seen
+        known = self.overhead_ms.setdefault(rows, {})
+        known[depth] = seen if depth not in known else 0.8 * known[depth] + 0.2 * seen
 
 
 def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]], limits: list[int],
