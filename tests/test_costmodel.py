@@ -211,3 +211,21 @@ def test_without_products_keeps_everything_but_the_weight_products(engine):
                            torch.tril(torch.ones(3, 3, dtype=torch.bool))[None])
     assert logits.shape == (1, 3, engine.target.cfg.vocab_size) and not logits.any()
     assert engine.target.layers[0].qkv(torch.ones(1, 1, engine.target.cfg.hidden_size)).any()
+
+
+def test_timed_run_keeps_the_fastest_pass():
+    """Load only adds time, so of several passes over the requests the breakdown uses the fastest."""
+    from types import SimpleNamespace
+
+    from core.costmodel.profile import timed_run
+    from core.engine.decode import StepStats
+
+    seconds = iter([0.0, 3.0, 4.0, 1.0, 1.5, 2.0, 9.0])  # warm-up, then three passes over two requests
+
+    class Clock:
+        def generate(self, prompts, limits, recipe, ids, speculative=True):
+            s = next(seconds)
+            return SimpleNamespace(tokens=[[1, 2]], seconds=s, steps=[StepStats(0.0, s, 0.0, 0.0, 1, [2])])
+
+    run = timed_run(Clock(), None, [[5], [6]], [2, 2], passes=3)
+    assert run.seconds == [1.0, 1.5] and [s.verify_ms for s in run.steps] == [1.0, 1.5]

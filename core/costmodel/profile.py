@@ -133,19 +133,25 @@ def interpolate(curve: dict[int, float], x: float) -> float:
 
 
 def timed_run(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], limits: list[int],
-              request_ids: list[int] | None = None) -> RunStats:
-    """Run each request alone (batch 1) after one warm-up; recipe None is plain autoregressive decoding."""
+              request_ids: list[int] | None = None, passes: int = 1) -> RunStats:
+    """Run each request alone (batch 1) after one warm-up; recipe None is plain autoregressive decoding.
+    With several passes over the requests the fastest pass is kept: load on a shared machine only ever adds
+    time, so the fastest pass is the least disturbed record of where a step's time goes."""
     ids = request_ids if request_ids is not None else list(range(len(prompts)))
     spec = recipe is not None
     engine.generate([prompts[0]], [min(limits[0], 8)], recipe, [ids[0]], speculative=spec)
-    run = RunStats([], [], [], [])
-    for prompt, limit, rid in zip(prompts, limits, ids):
-        result = engine.generate([prompt], [limit], recipe, [rid], speculative=spec)
-        run.tokens.append(result.tokens[0])
-        run.steps.extend(result.steps)
-        run.seconds.append(result.seconds)
-        run.accepted.append([a for s in result.steps for a in s.accepted])
-    return run
+    best = None
+    for _ in range(max(1, passes)):
+        run = RunStats([], [], [], [])
+        for prompt, limit, rid in zip(prompts, limits, ids):
+            result = engine.generate([prompt], [limit], recipe, [rid], speculative=spec)
+            run.tokens.append(result.tokens[0])
+            run.steps.extend(result.steps)
+            run.seconds.append(result.seconds)
+            run.accepted.append([a for s in result.steps for a in s.accepted])
+        if best is None or sum(run.seconds) < sum(best.seconds):
+            best = run
+    return best
 
 
 def weight_bytes(model: Transformer) -> int:

@@ -70,14 +70,16 @@ def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_tok
 def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
             request_ids: list[int] | None = None, budgets: tuple[int, ...] = BUDGETS,
             max_depth: int = rp.DEFAULT_MAX_DEPTH, probe_result: dict | None = None,
-            batching_ms_per_token: float = 0.0, repeats: int = 7, candidates: tuple[Recipe, ...] = ()) -> dict:
+            batching_ms_per_token: float = 0.0, repeats: int = 7, candidates: tuple[Recipe, ...] = (),
+            passes: int = 3) -> dict:
     """Profile, replay and bound `recipe` on the requests; the JSON-ready cost report of a round.
 
     `candidates` are predicted too (key "predictions": tokens/s and speedup over the incumbent's prediction,
-    which is robust to machine drift), each on its own drafter's replay of the same outputs.
+    which is robust to machine drift), each on its own drafter's replay of the same outputs. The recipe is
+    timed over `passes` passes over the requests and the fastest pass is broken down.
     """
     hw = probe_result or probe(str(engine.device), dtype_name(engine))
-    run = timed_run(engine, recipe, prompts, limits, request_ids)
+    run = timed_run(engine, recipe, prompts, limits, request_ids, passes)
     prof = profile(engine, recipe, prompts, limits, run, request_ids, repeats)
     target, drafter = engine.models_for(recipe)
     extra = max(max_depth, *(_depth(r) for r in (recipe, *candidates))) + 2
