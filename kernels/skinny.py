@@ -121,3 +121,64 @@ class SkinnyWeight:
                              None if self.bias is None else self.bias.data_ptr(), out.data_ptr(),
                              rows.shape[0], self.n, self.kp, self.bits == 16)
         return out.view(*lead, self.n)
+
+
+def bench_model_dir(model_dir: str, rows: list[int], repeats: int = 6) -> dict[int, dict[str, float]]:
+    """ms of one pass over every 2-D weight of a checkpoint (each with `rows` input rows), cycled so that no
+    matrix stays in L1/L2: torch's default GEMM, oneDNN's prepacked GEMM and this kernel, interleaved."""
+    import time
+
+    from safetensors.torch import load_file
+
+    weights = [t.float().contiguous() for f in sorted(Path(model_dir).glob("*.safetensors"))
+               for t in load_file(str(f)).values() if t.dim() == 2]
+    if not weights:
+        raise FileNotFoundError(f"no 2-D weights in {model_dir}/*.safetensors")
+    packed = [SkinnyWeight(w) for w in weights]
+    systems = {"torch": [lambda x, w=w: F.linear(x, w) for w in weights], "skinny": packed}
+    if torch.backends.mkldnn.is_available():
+        onednn = [torch.ops.mkldnn._reorder_linear_weight(w, None) for w in weights]
+        systems["onednn"] = [lambda x, p=p: torch.ops.mkldnn._linear_pointwise(x, p, None, "none", [None], "")
+                             for p in onednn]
+    out: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for m in rows:
+            xs = [torch.randn(m, w.shape[1]) for w in weights]
+            times: dict[str, list[float]] = {k: [] for k in systems}
+            for rep in range(repeats + 1):
+                for name, fns in systems.items():
+                    t0 = time.perf_counter()
+                    for f, x in zip(fns, xs):
+                        f(x)
+                    if rep:
+                        times[name].append((time.perf_counter() - t0) * 1e3)
+            out[m] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: time every 2-D weight of a checkpoint under torch's GEMM, oneDNN and the skinny kernel."""
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m kernels.skinny",
+                                 description="ms per pass over a checkpoint's weight matrices, by input rows.")
+    ap.add_argument("model_dir")
+    ap.add_argument("--rows", default="1,3,5,9,12,17,24,33,48,64")
+    ap.add_argument("--repeats", type=int, default=6)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(1)
+    try:
+        result = bench_model_dir(args.model_dir, [int(r) for r in args.rows.split(",")], args.repeats)
+    except (FileNotFoundError, SkinnyUnavailable) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    names = list(next(iter(result.values())))
+    print(f"{'rows':>5}" + "".join(f"{n:>10}" for n in names) + "   (ms per pass, 1 thread)")
+    for m, ms in result.items():
+        print(f"{m:>5}" + "".join(f"{ms[n]:>10.2f}" for n in names))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -156,3 +156,23 @@ def test_skinny_refusals(tmp_path, monkeypatch):
             engine.models_for(Recipe.from_dict(SKINNY))
     finally:
         skinny.library.cache_clear()
+
+
+@needs_kernel
+def test_kernel_benchmark_cli(tiny_pair, tmp_path):
+    """`python -m kernels.skinny DIR` times every 2-D weight per row count; a directory without weights is a
+    one-line error."""
+    import subprocess
+    import sys
+
+    target_dir, _, _ = tiny_pair
+    out = subprocess.run([sys.executable, "-m", "kernels.skinny", str(target_dir), "--rows", "1,4", "--repeats", "1"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-1000:]
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["rows", "torch", "skinny"]
+    assert [line.split()[0] for line in lines[1:]] == ["1", "4"]
+    assert all(float(v) > 0 for line in lines[1:] for v in line.split()[1:])
+    empty = subprocess.run([sys.executable, "-m", "kernels.skinny", str(tmp_path)], capture_output=True, text=True,
+                           timeout=120)
+    assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "no 2-D weights" in empty.stderr

@@ -5,11 +5,11 @@ prepacked GEMM instead of torch's default BLAS; `linear = "skinny"` runs them th
 kernel (kernels/skinny.c) up to SKINNY_MAX_ROWS rows, and through oneDNN above.
 
 Why: a verify step multiplies a few rows by every weight, and the default BLAS (MKL) is slow at such
-GEMMs on the AVX2 development machine. Measured there, all projections of the demo target (bf16 values
-loaded in float32), milliseconds for 1 / 3 / 5 / 12 / 33 / 64 rows: MKL 7.4 / 14.1 / 12.3 / 14.0 / 28.1 /
-37.2, oneDNN 8.1 / 8.3 / 8.9 / 13.1 / 17.6 / 30.8, skinny 3.0 / 2.7 / 3.9 / 6.0 / 15.2 / 26.7. The skinny
-kernel reads each weight matrix as one sequential stream, in 16 bits when the weights are bfloat16
-values (any bf16 checkpoint), which halves the bytes and lets the demo target's weights stay in the cache.
+GEMMs on the AVX2 development machine: over all weight matrices of the demo target (bf16 values loaded in
+float32), the skinny kernel takes 2.0-3.4x fewer milliseconds than MKL at 1-12 rows and 1.4x at 33-64
+(BENCHMARKS.md; `python -m kernels.skinny models/demo-target`). It reads each weight matrix as one
+sequential stream, in 16 bits when the weights are bfloat16 values (any bf16 checkpoint), which halves
+the bytes and lets the demo target's weights stay in the cache.
 
 oneDNN keeps its own packed float32 copy of every weight; onednn keeps the default GEMV for a single row,
 which it does not beat. The skinny backend keeps its packed copy (16 or 32 bits per weight) plus oneDNN's.
