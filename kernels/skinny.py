@@ -8,13 +8,16 @@ a private name and rename into place, so a reader never sees a half-written libr
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import functools
 import hashlib
 import os
 import shutil
 import subprocess
+import sys
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -126,8 +129,6 @@ class SkinnyWeight:
 def bench_model_dir(model_dir: str, rows: list[int], repeats: int = 6) -> dict[int, dict[str, float]]:
     """ms of one pass over every 2-D weight of a checkpoint (each with `rows` input rows), cycled so that no
     matrix stays in L1/L2: torch's default GEMM, oneDNN's prepacked GEMM and this kernel, interleaved."""
-    import time
-
     from safetensors.torch import load_file
 
     weights = [t.float().contiguous() for f in sorted(Path(model_dir).glob("*.safetensors"))
@@ -158,9 +159,6 @@ def bench_model_dir(model_dir: str, rows: list[int], repeats: int = 6) -> dict[i
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: time every 2-D weight of a checkpoint under torch's GEMM, oneDNN and the skinny kernel."""
-    import argparse
-    import sys
-
     ap = argparse.ArgumentParser(prog="python -m kernels.skinny",
                                  description="ms per pass over a checkpoint's weight matrices, by input rows.")
     ap.add_argument("model_dir")
