@@ -8,9 +8,9 @@ import torch.nn.functional as F
 
 import tiny_models
 from core import forcing
+from core.costmodel.profile import weight_bytes
 from core.engine import Engine
 from core.engine.config import ModelLoadError
-from core.costmodel.profile import weight_bytes
 from core.engine.linear import SKINNY_MAX_ROWS
 from core.recipe import Recipe
 from kernels import skinny
