@@ -36,8 +36,7 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
         if recipe.batching.policy != "fixed":
             engine.cost_table(recipe, batch_sizes)
     runtimes = {f"ar+{r.runtime.linear}": r for r in recipes if r.runtime.linear != "native"}
-    systems: dict[str, Recipe | None] = {"ar": None, **{n: r for n, r in runtimes.items()},
-                                         **{r.name: r for r in recipes}}
+    systems: dict[str, Recipe | None] = {"ar": None, **runtimes, **{r.name: r for r in recipes}}
     reference = engine.serve(prompts, limits, None, 1).tokens
     rates: dict[tuple[int, str], list[float]] = {}
     accepted: dict[tuple[int, str], list[int]] = {}

@@ -104,8 +104,9 @@ class SkinnyWeight:
         w = weight.detach().float().contiguous()
         self.n, self.k = w.shape
         self.kp = (self.k + 7) // 8 * 8
-        self.bits = bits or (16 if bfloat16_exact(weight) else 32)
-        if self.bits not in (16, 32) or (self.bits == 16 and not bfloat16_exact(weight)):
+        exact = bfloat16_exact(weight)
+        self.bits = bits or (16 if exact else 32)
+        if self.bits not in (16, 32) or (self.bits == 16 and not exact):
             raise ValueError(f"skinny panels hold 16 (bfloat16 values only) or 32 bits, not {self.bits}")
         values = (self.n + 3) // 4 * 4 * self.kp
         self.packed = torch.empty(values, dtype=torch.int16 if self.bits == 16 else torch.float32)

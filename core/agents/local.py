@@ -313,9 +313,10 @@ class RuntimeAgent(LocalAgent):
         mine = tools.profile.verify_curve_for(inc.runtime.linear)
         others = [b for b in curves if b != inc.runtime.linear]
         if not others:
-            return AgentFailure(self.name, f"no other linear backend runs here (measured: "
-                                           f"{', '.join(curves) or inc.runtime.linear}; onednn and skinny run on a CPU), "
-                                           f"so the runtime has nothing to change on {tools.device}")
+            measured = ", ".join(curves) or inc.runtime.linear
+            return AgentFailure(self.name, f"no other linear backend runs here (measured: {measured}; onednn and "
+                                           f"skinny run on a CPU), so the runtime has nothing to change on "
+                                           f"{tools.device}")
         base = evaluate(tools, f"linear {inc.runtime.linear}", inc)
         options = []
         for backend in others:
