@@ -1,5 +1,6 @@
-"""runtime.linear = "onednn": the same projections through oneDNN for several rows; lossless under forcing
-against transformers, refused clearly where it cannot run."""
+"""Linear backends (runtime.linear = "onednn" | "skinny"): the same projections through oneDNN's GEMM or
+SpecPilot's AVX2 kernel; logits match the default backend, greedy output stays lossless under forcing
+against transformers, and a backend is refused clearly where it cannot run."""
 
 import pytest
 import torch
@@ -9,13 +10,23 @@ from core import forcing
 from core.engine import Engine
 from core.engine.config import ModelLoadError
 from core.recipe import Recipe, RecipeError
+from kernels import skinny
 
 ONEDNN = {"runtime": {"linear": "onednn"}}
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+BACKENDS = [
+    pytest.param("onednn", marks=pytest.mark.skipif(not torch.backends.mkldnn.is_available(),
+                                                    reason="torch built without oneDNN")),
+    pytest.param("skinny", marks=pytest.mark.skipif(not skinny.available(), reason="no AVX2+FMA or no C compiler")),
+]
 
 
-def test_onednn_logits_match_native(pair_engine, one_thread):
-    target, _ = pair_engine.models_for(Recipe.from_dict(ONEDNN))
+def runtime(backend: str) -> dict:
+    return {"runtime": {"linear": backend}}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_logits_match_native(backend, pair_engine, one_thread):
+    target, _ = pair_engine.models_for(Recipe.from_dict(runtime(backend)))
     assert target is not pair_engine.target and target.layers[0].raw is pair_engine.target.layers[0].raw
     prompt = tiny_models.repeating_prompts([12])[0]
     for width in (1, 7):
@@ -29,17 +40,19 @@ def test_onednn_logits_match_native(pair_engine, one_thread):
                 logits.append(model.step(toks, cache, cache.lengths, torch.arange(width)[None], anc))
         assert logits[0].shape == logits[1].shape == (1, width, 101)
         torch.testing.assert_close(logits[1], logits[0], rtol=1e-4, atol=1e-4)
-        if width == 1:
-            assert torch.equal(logits[1], logits[0])  # one row keeps the default GEMV: bit-identical
+        if backend == "onednn" and width == 1:
+            assert torch.equal(logits[1], logits[0])  # onednn keeps the default GEMV for one row: bit-identical
 
 
-def test_onednn_passes_forcing_against_transformers(tiny_pair, pair_engine, one_thread):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_passes_forcing_against_transformers(backend, tiny_pair, pair_engine, one_thread):
     _, _, hf_target = tiny_pair
     prompts = tiny_models.repeating_prompts([9, 14, 20], seed=3)
     limits = [24, 24, 24]
-    for recipe in (Recipe.from_dict(ONEDNN),
-                   Recipe.from_dict({**ONEDNN, "draft": {"method": "ngram"}, "tree": {"depth": 6}}),
-                   Recipe.from_dict({**ONEDNN, "tree": {"policy": "dynamic", "depth": 4, "budget": 10}})):
+    base = runtime(backend)
+    for recipe in (Recipe.from_dict(base),
+                   Recipe.from_dict({**base, "draft": {"method": "ngram"}, "tree": {"depth": 6}}),
+                   Recipe.from_dict({**base, "tree": {"policy": "dynamic", "depth": 4, "budget": 10}})):
         result = forcing.compare(pair_engine, recipe, prompts, limits, reference=hf_target)
         assert result["passed"], result
         assert result["clear_mismatches"] == 0 and result["tokens"] == sum(limits)
@@ -47,18 +60,20 @@ def test_onednn_passes_forcing_against_transformers(tiny_pair, pair_engine, one_
     assert ar == [tiny_models.hf_greedy(hf_target, p, n) for p, n in zip(prompts, limits)]
 
 
-def test_onednn_bfloat16_computes_on_the_same_values_and_passes_forcing(tiny_pair, one_thread):
-    """A bf16 model's rows go through float32 copies of its weights, each output rounded back to bf16."""
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bfloat16_computes_on_the_same_values_and_passes_forcing(backend, tiny_pair, one_thread):
+    """A bf16 model's rows go through float32 products of its exact weights, each output rounded to bf16."""
     target_dir, drafter_dir, _ = tiny_pair
     engine = Engine.load(target_dir, drafter_dir, dtype="bfloat16")
-    recipe = Recipe.from_dict({**ONEDNN, "draft": {"method": "ngram"}, "tree": {"depth": 6}})
+    recipe = Recipe.from_dict({**runtime(backend), "draft": {"method": "ngram"}, "tree": {"depth": 6}})
     target, _ = engine.models_for(recipe)
     x = torch.randn(2, 5, 64).bfloat16()
     out = target.layers[0].qkv(x)
     assert out.dtype == torch.bfloat16
     exact = (x.float() @ target.layers[0].raw["qkv"].float().T).bfloat16()
     assert (out.float() - exact.float()).abs().max() <= exact.float().abs().max() * 2 ** -7
-    assert torch.equal(target.layers[0].qkv(x[:1, :1]), engine.target.layers[0].qkv(x[:1, :1]))
+    if backend == "onednn":  # one row keeps the model's own bf16 GEMV
+        assert torch.equal(target.layers[0].qkv(x[:1, :1]), engine.target.layers[0].qkv(x[:1, :1]))
     prompts = tiny_models.repeating_prompts([9, 14, 20], seed=3)
     reference = forcing.load_reference(str(target_dir), "bfloat16")
     result = forcing.compare(engine, recipe, prompts, [24, 24, 24], reference=reference)
