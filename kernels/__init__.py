@@ -1,0 +1,10 @@
+"""SpecPilot's kernels: packed12 (GPU, Triton) and skinny (CPU, C via ctypes)."""
+
+import os
+from pathlib import Path
+
+
+def cache_dir() -> Path:
+    """SpecPilot's per-user cache ($SPECPILOT_CACHE_DIR, default ~/.cache/specpilot): probe results and
+    compiled kernels."""
+    return Path(os.environ.get("SPECPILOT_CACHE_DIR") or Path.home() / ".cache" / "specpilot")

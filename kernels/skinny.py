@@ -23,6 +23,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from kernels import cache_dir
+
 SOURCE = Path(__file__).with_name("skinny.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 
@@ -46,10 +48,6 @@ def _compiler() -> str | None:
     return None
 
 
-def build_dir() -> Path:
-    return Path(os.environ.get("SPECPILOT_CACHE_DIR") or Path.home() / ".cache" / "specpilot") / "kernels"
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The compiled kernel, building it on first use; SkinnyUnavailable says why it cannot run here."""
@@ -60,7 +58,7 @@ def library() -> ctypes.CDLL:
         raise SkinnyUnavailable("no C compiler found (set CC or install gcc)")
     source = SOURCE.read_bytes()
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = build_dir() / f"skinny-{digest}.so"
+    target = cache_dir() / "kernels" / f"skinny-{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)

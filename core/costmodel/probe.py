@@ -9,19 +9,14 @@ measures again.
 from __future__ import annotations
 
 import json
-import os
 import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from core.engine.model import DTYPES
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("SPECPILOT_CACHE_DIR") or Path.home() / ".cache" / "specpilot")
+from kernels import cache_dir
 
 
 def _sync(device: torch.device) -> None:
