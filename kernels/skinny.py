@@ -60,20 +60,33 @@ def library() -> ctypes.CDLL:
     digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"skinny-{digest}.so"
     if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-        os.close(fd)
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
-        if done.returncode != 0:
-            os.unlink(tmp)
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise SkinnyUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
-        os.replace(tmp, target)
-    lib = ctypes.CDLL(str(target))
+        _build(cc, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:  # a damaged cached build: build it again, once
+        _build(cc, target)
+        try:
+            lib = ctypes.CDLL(str(target))
+        except OSError as e:
+            raise SkinnyUnavailable(f"the built {target.name} does not load: {e}") from None
     ptr, n = ctypes.c_void_p, ctypes.c_long
     lib.skinny_pack.argtypes = [ptr, ptr, n, n, n, ctypes.c_int]
     lib.skinny_gemm.argtypes = [ptr, ptr, ptr, ptr, n, n, n, ctypes.c_int]
     return lib
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile skinny.c to `target` through a private temporary name (concurrent builders never see a
+    half-written library)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        first = (done.stderr.strip().splitlines() or ["no output"])[0]
+        raise SkinnyUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
+    os.replace(tmp, target)
 
 
 def available() -> bool:

@@ -3,6 +3,8 @@ within float32 rounding (bit for bit between its 16- and 32-bit panels), batched
 checkpoints stay lossless, and it is refused clearly where it cannot run. The tests every linear backend
 shares (logits vs native, forcing in float32 and bfloat16) are in test_engine_linear.py."""
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -65,6 +67,26 @@ def test_kernel_cache_is_built_once_per_source(tmp_path, monkeypatch):
         assert built[0].stat().st_mtime_ns == stamp and len(list((tmp_path / "kernels").iterdir())) == 1
     finally:
         skinny.library.cache_clear()
+
+
+@needs_kernel
+def test_a_damaged_cached_build_is_rebuilt(tmp_path):
+    """A cached library that does not load is built again (in a fresh process: one that has the library
+    loaded keeps its mapping)."""
+    import subprocess
+    import sys
+
+    code = ("import torch; from kernels import skinny; "
+            "print(skinny.SkinnyWeight(torch.eye(8))(torch.arange(8.0)[None]).tolist())")
+    env = {**os.environ, "SPECPILOT_CACHE_DIR": str(tmp_path)}
+    first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert first.returncode == 0, first.stderr[-1000:]
+    built = next((tmp_path / "kernels").glob("skinny-*.so"))
+    (tmp_path / "damaged").write_bytes(b"not a shared library")
+    os.replace(tmp_path / "damaged", built)
+    again = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert again.returncode == 0, again.stderr[-1000:]
+    assert again.stdout.strip() == str([[float(i) for i in range(8)]]) and built.read_bytes()[:4] == b"\x7fELF"
 
 
 @needs_kernel
