@@ -17,7 +17,7 @@ TREE_POLICIES = ("chain", "static", "dynamic")
 SAMPLINGS = ("greedy", "seeded", "rejection", "lossy_top2")
 WEIGHT_FORMATS = ("native", "packed12")
 BATCHING_POLICIES = ("fixed", "budget", "allocate", "cap")
-LINEAR_BACKENDS = ("native", "onednn", "skinny")
+LINEAR_BACKENDS = ("native", "onednn", "skinny", "fused")
 LEGACY_FALSE = {"runtime": ("compile", "cuda_graphs")}  # keys of older recipes, never implemented when true
 PLUGIN_PREFIX = "plugin:"
 

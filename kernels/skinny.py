@@ -1,6 +1,7 @@
 """Build, load and call the skinny GEMM (skinny.c) for float32 projections of a few rows on an AVX2 CPU.
 
-The C file is compiled once per source version with the system C compiler (`$CC`, else cc/gcc) into the
+The library also holds the fused decoder layer (layer.c, runtime.linear = "fused"), which calls the GEMM.
+The C files are compiled once per source version with the system C compiler (`$CC`, else cc/gcc) into the
 SpecPilot cache (`$SPECPILOT_CACHE_DIR/kernels`, default ~/.cache/specpilot/kernels) and loaded with ctypes:
 no torch headers, so the build takes about a second. Concurrent builders (candidate workers) each compile to
 a private name and rename into place, so a reader never sees a half-written library.
@@ -25,8 +26,9 @@ import torch.nn.functional as F
 
 from kernels import cache_dir
 
-SOURCE = Path(__file__).with_name("skinny.c")
+SOURCES = (Path(__file__).with_name("skinny.c"), Path(__file__).with_name("layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
+LIBS = ("-lm",)
 
 
 class SkinnyUnavailable(RuntimeError):
@@ -56,8 +58,8 @@ def library() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise SkinnyUnavailable("no C compiler found (set CC or install gcc)")
-    source = SOURCE.read_bytes()
-    digest = hashlib.sha256(source + " ".join(FLAGS).encode()).hexdigest()[:16]
+    source = b"".join(path.read_bytes() for path in SOURCES)
+    digest = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
     target = cache_dir() / "kernels" / f"skinny-{digest}.so"
     if not target.exists():
         _build(cc, target)
@@ -72,20 +74,21 @@ def library() -> ctypes.CDLL:
     ptr, n = ctypes.c_void_p, ctypes.c_long
     lib.skinny_pack.argtypes = [ptr, ptr, n, n, n, ctypes.c_int]
     lib.skinny_gemm.argtypes = [ptr, ptr, ptr, ptr, n, n, n, ctypes.c_int]
+    lib.fused_layer.argtypes = [ptr, ptr, ptr, ptr, ptr]
     return lib
 
 
 def _build(cc: str, target: Path) -> None:
-    """Compile skinny.c to `target` through a private temporary name (concurrent builders never see a
+    """Compile the C sources to `target` through a private temporary name (concurrent builders never see a
     half-written library)."""
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+    done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True)
     if done.returncode != 0:
         os.unlink(tmp)
         first = (done.stderr.strip().splitlines() or ["no output"])[0]
-        raise SkinnyUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
+        raise SkinnyUnavailable(f"{cc} failed to build {' and '.join(p.name for p in SOURCES)}: {first}")
     os.replace(tmp, target)
 
 

@@ -171,7 +171,7 @@ def test_prediction_ranks_a_deeper_self_drafted_chain_higher(tiny_pair):
     with pytest.raises(ValueError, match="replay"):
         predict(prof, replay, Recipe.from_dict({"draft": {"method": "ngram"}}))
     # Every linear backend this CPU runs gets its own measured verify curve; a recipe is priced on its own.
-    runs_here = {"native", "onednn"} | ({"skinny"} if skinny.available() else set())
+    runs_here = {"native", "onednn"} | ({"skinny", "fused"} if skinny.available() else set())
     assert set(prof.backend_curves) == runs_here and prof.backend_curves["native"] == prof.verify_curve
     halved = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
     halved.backend_curves["onednn"] = {n: ms / 2 for n, ms in halved.verify_curve.items()}

@@ -92,7 +92,7 @@ def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     lines = out.stdout.splitlines()
     curves = [line for line in lines if line.startswith("verify ms by nodes")]
-    backends = ["native", "onednn"] + (["skinny"] if skinny.available() else [])
+    backends = ["native", "onednn"] + (["skinny", "fused"] if skinny.available() else [])
     assert [c.split(":")[0] for c in curves] == [f"verify ms by nodes ({b})" for b in backends]
     assert all("1:" in c and "64:" in c for c in curves)
     assert sum(line.endswith("<- largest") for line in lines) == 1

@@ -1,5 +1,5 @@
-"""Linear backends (runtime.linear = "onednn" | "skinny"): the same projections through oneDNN's GEMM or
-SpecPilot's AVX2 kernel; logits match the default backend, greedy output stays lossless under forcing
+"""Linear backends (runtime.linear = "onednn" | "skinny" | "fused"): the same projections through oneDNN's
+GEMM or SpecPilot's AVX2 kernel (fused: whole layers in C around it); logits match the default backend, greedy output stays lossless under forcing
 against transformers, and a backend is refused clearly where it cannot run."""
 
 import pytest
@@ -18,13 +18,16 @@ BACKENDS = [
                                                     reason="torch built without oneDNN")),
     pytest.param("skinny", marks=pytest.mark.skipif(not skinny.available(), reason="no AVX2+FMA or no C compiler")),
 ]
+FLOAT32_BACKENDS = BACKENDS + [
+    pytest.param("fused", marks=pytest.mark.skipif(not skinny.available(), reason="no AVX2+FMA or no C compiler")),
+]
 
 
 def runtime(backend: str) -> dict:
     return {"runtime": {"linear": backend}}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
 def test_logits_match_native(backend, pair_engine, one_thread):
     target, _ = pair_engine.models_for(Recipe.from_dict(runtime(backend)))
     assert target is not pair_engine.target and target.layers[0].raw is pair_engine.target.layers[0].raw
@@ -44,7 +47,7 @@ def test_logits_match_native(backend, pair_engine, one_thread):
             assert torch.equal(logits[1], logits[0])  # onednn keeps the default GEMV for one row: bit-identical
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", FLOAT32_BACKENDS)
 def test_passes_forcing_against_transformers(backend, tiny_pair, pair_engine, one_thread):
     _, _, hf_target = tiny_pair
     prompts = tiny_models.repeating_prompts([9, 14, 20], seed=3)
@@ -85,7 +88,7 @@ def test_onednn_refusals(tmp_path):
     engine = Engine.load(tmp_path)
     with pytest.raises(ModelLoadError, match="runtime.linear = 'onednn' needs native weights, not packed12"):
         engine.models_for(Recipe.from_dict({**ONEDNN, "weights": {"format": "packed12"}}))
-    with pytest.raises(RecipeError, match=r"runtime.linear = 'mkl' is not allowed; allowed: native, onednn, skinny"):
+    with pytest.raises(RecipeError, match=r"runtime.linear = 'mkl' is not allowed; allowed: native, onednn, skinny, fused"):
         Recipe.from_dict({"runtime": {"linear": "mkl"}})
 
 

@@ -284,13 +284,9 @@ def drafter_costs(model: Transformer, context: int, prompt: list[int], widths: t
 
 
 def without_products(model: Transformer) -> Transformer:
-    """`model` with every projection and the LM head replaced by a zero output of the right shape: its
-    forward times everything but the weight products (zeros, not uninitialised memory, so no NaN or
-    denormal slows the ops that remain)."""
-    def make(weight: torch.Tensor, bias: torch.Tensor | None):
-        return lambda x: x.new_zeros(*x.shape[:-1], weight.shape[0])
-
-    return model.with_projections(make, model.weight_format, model.matrix_bits)
+    """`model` with every weight product giving zeros (Transformer.without_products; the fused layer skips
+    them in C): its forward times everything but the weight products."""
+    return model.without_products()
 
 
 def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:

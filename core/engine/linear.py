@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from core.engine.config import ModelLoadError
+from core.engine.fused import FusedTransformer
 from core.engine.model import Linear, Transformer, dense
 from kernels.skinny import SkinnyUnavailable, SkinnyWeight, bfloat16_exact, library
 
@@ -70,12 +71,14 @@ def skinny_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
         out = skinny(x)
         return out if dtype == torch.float32 else out.to(dtype)
 
+    project.skinny, project.skinny_rows = skinny, SKINNY_MAX_ROWS[skinny.bits]
     return project
 
 
 def linear_transformer(model: Transformer, backend: str) -> Transformer:
-    """A copy of `model` sharing its tensors whose projections and LM head use `backend` ("onednn" or
-    "skinny"); a one-line ModelLoadError says what to change where it cannot run."""
+    """A copy of `model` sharing its tensors whose projections and LM head use `backend` ("onednn",
+    "skinny", or "fused": skinny products inside one C call per layer, float32 only); a one-line
+    ModelLoadError says what to change where it cannot run."""
     if model.device.type != "cpu":
         raise ModelLoadError(f"runtime.linear = '{backend}' is a CPU backend; this model is on {model.device}, "
                              "so use linear = 'native'")
@@ -86,12 +89,16 @@ def linear_transformer(model: Transformer, backend: str) -> Transformer:
         if not onednn_available():
             raise ModelLoadError("this torch build has no oneDNN (mkldnn); use runtime.linear = 'native'")
         return model.with_projections(onednn_dense)
-    if backend == "skinny":
+    if backend in ("skinny", "fused"):
         try:
             library()
         except SkinnyUnavailable as e:
-            raise ModelLoadError(f"runtime.linear = 'skinny' cannot run here: {e}; use linear = 'onednn' or "
+            raise ModelLoadError(f"runtime.linear = '{backend}' cannot run here: {e}; use linear = 'onednn' or "
                                  "'native'") from None
+        if backend == "fused" and model.dtype != torch.float32:
+            raise ModelLoadError(f"runtime.linear = 'fused' computes in float32, not {str(model.dtype)[6:]}; use "
+                                 "linear = 'skinny' or dtype float32")
         exact = all(bfloat16_exact(w) for w in model.matrices())
-        return model.with_projections(skinny_dense, matrix_bits=16 if exact else None)
-    raise ModelLoadError(f"unknown linear backend {backend!r}; use native, onednn or skinny")
+        skinny = model.with_projections(skinny_dense, matrix_bits=16 if exact else None)
+        return skinny if backend == "skinny" else FusedTransformer.build(skinny)
+    raise ModelLoadError(f"unknown linear backend {backend!r}; use native, onednn, skinny or fused")

@@ -181,7 +181,7 @@ class Transformer:
 
     def truncated(self, num_layers: int) -> "Transformer":
         """A view of the first `num_layers` layers sharing this model's weights (early-exit drafting)."""
-        view = object.__new__(Transformer)
+        view = object.__new__(type(self))
         view.__dict__.update(self.__dict__)
         view.num_layers = num_layers
         view.layers = self.layers[:num_layers]
@@ -201,6 +201,14 @@ class Transformer:
         copy.weight_format = weight_format
         copy.matrix_bits = matrix_bits
         return copy
+
+    def without_products(self) -> "Transformer":
+        """A copy whose projections and LM head output zeros of the right shape: its forward times everything
+        but the weight products (zeros, not uninitialised memory, so no NaN or denormal slows what remains)."""
+        def make(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+            return lambda x: x.new_zeros(*x.shape[:-1], weight.shape[0])
+
+        return self.with_projections(make, self.weight_format, self.matrix_bits)
 
     def matrices(self) -> list[torch.Tensor]:
         """The weight matrices the projections and LM head multiply by (what a weight format stores)."""
