@@ -9,6 +9,9 @@
  *   k, v -> cache slots base + offset + t; attn = softmax(q k^T * scale + tree mask) v (GQA);
  *   x += attn Wo; h = rmsnorm(x) * mlp_norm; [g | u] = h Wgu; x += (silu(g) * u) Wdown
  *
+ * Ragged steps: with `sizes`, only each row's real tree tokens are computed (padding of a batch's smaller
+ * trees costs nothing), so a step costs its total tokens, not rows x the widest tree.
+ *
  * Visibility is the engine's (StepInputs): a query of row b sees every slot below base[b] and the tree
  * slots base[b] + j (j < A) where ancestors[b, t, j]; without ancestors, every slot below `span`.
  * Same operations as the torch path, in float32; only summation order and the exp approximation (Cephes
@@ -41,6 +44,8 @@ typedef struct {
     float *h, *qkv, *attn, *gu, *act, *tmp, *scores; /* workspace: [R, pitch_e], [R, (H+2Hkv)D], [R, pitch_a],
                                                         [R, 2I], [R, pitch_i], [R, E], [12 * span] */
     long products;                  /* 0: every weight product outputs zeros (the dispatch measurement) */
+    const long *sizes;              /* [B] real tokens per row (a prefix of its T), or NULL: all T. Rows are
+                                       packed: x and the workspace hold only the real tokens, row by row */
 } StepParams;
 
 static inline __m256 exp256(__m256 x) {
@@ -239,17 +244,18 @@ static void weighted_values(const float *p, long nq, const float *vc, long n, lo
         }
 }
 
-/* Attention of every query of row b whose head reads kv head g (GQA), QB queries at a time. */
-static void attend(const StepParams *S, long b, long g, const float *kc, const float *vc) {
+/* Attention of every query of row b (its tokens are rows first.. of the step) whose head reads kv head g
+ * (GQA), QB queries at a time. */
+static void attend(const StepParams *S, long b, long first, long tokens, long g, const float *kc, const float *vc) {
     long T = S->T, D = S->D, group = S->H / S->Hkv, base = S->base[b];
-    long nq_cols = (S->H + 2 * S->Hkv) * D, total = T * group;
+    long nq_cols = (S->H + 2 * S->Hkv) * D, total = tokens * group;
     long n = S->ancestors ? base + S->A : S->span;
     const float *q[QB];
     float *out[QB];
     for (long q0 = 0; q0 < total; q0 += QB) {
         long nq = total - q0 < QB ? total - q0 : QB;
         for (long i = 0; i < nq; i++) {
-            long t = (q0 + i) / group, head = g * group + (q0 + i) % group, r = b * T + t;
+            long t = (q0 + i) / group, head = g * group + (q0 + i) % group, r = first + t;
             q[i] = S->qkv + r * nq_cols + head * D;
             out[i] = S->attn + r * S->pitch_a + head * D;
         }
@@ -281,34 +287,40 @@ static void add_rows(float *x, const float *y, long n) {
     for (long i = 0; i < n; i++) x[i] += y[i];
 }
 
-/* x [B*T, E] (the residual stream, updated in place); kc, vc: this layer's key and value cache. */
+static inline long row_tokens(const StepParams *S, long b) {
+    return S->sizes ? S->sizes[b] : S->T;
+}
+
+/* x [R, E], R = the step's real tokens (the residual stream, updated in place); kc, vc: this layer's key and
+ * value cache. */
 void fused_layer(const LayerParams *L, const StepParams *S, float *x, float *kc, float *vc) {
-    long B = S->B, T = S->T, R = B * T, E = S->E, H = S->H, Hkv = S->Hkv, D = S->D, I = S->I;
+    long B = S->B, T = S->T, R = 0, E = S->E, H = S->H, Hkv = S->Hkv, D = S->D, I = S->I;
     long nq = (H + 2 * Hkv) * D;
     float eps = (float)S->eps;
+    for (long b = 0; b < B; b++) R += row_tokens(S, b);
 
     rmsnorm(x, E, L->attn_norm, S->h, S->pitch_e, R, E, eps);
     product(S, S->h, L->qkv, L->qkv_bits, L->qkv_bias, S->qkv, R, nq, S->pitch_e);
-    for (long r = 0; r < R; r++) {
-        long b = r / T, t = r % T;
-        float *row = S->qkv + r * nq;
-        if (L->q_norm) {
-            rmsnorm(row, D, L->q_norm, row, D, H, D, eps);
-            rmsnorm(row + H * D, D, L->k_norm, row + H * D, D, Hkv, D, eps);
+    for (long b = 0, r = 0; b < B; b++)
+        for (long t = 0; t < row_tokens(S, b); t++, r++) {
+            float *row = S->qkv + r * nq;
+            if (L->q_norm) {
+                rmsnorm(row, D, L->q_norm, row, D, H, D, eps);
+                rmsnorm(row + H * D, D, L->k_norm, row + H * D, D, Hkv, D, eps);
+            }
+            long pos = S->positions[b * T + t];
+            for (long head = 0; head < H + Hkv; head++) rope(row + head * D, S->cos + pos * D, S->sin + pos * D, D);
+            long slot = S->base[b] + S->offset + t;
+            for (long g = 0; g < Hkv; g++) {
+                long at = b * S->cache_row_stride + (g * S->max_len + slot) * D;
+                memcpy(kc + at, row + (H + g) * D, sizeof(float) * D);
+                memcpy(vc + at, row + (H + Hkv + g) * D, sizeof(float) * D);
+            }
         }
-        long pos = S->positions[r];
-        for (long head = 0; head < H + Hkv; head++) rope(row + head * D, S->cos + pos * D, S->sin + pos * D, D);
-        long slot = S->base[b] + S->offset + t;
-        for (long g = 0; g < Hkv; g++) {
-            long at = b * S->cache_row_stride + (g * S->max_len + slot) * D;
-            memcpy(kc + at, row + (H + g) * D, sizeof(float) * D);
-            memcpy(vc + at, row + (H + Hkv + g) * D, sizeof(float) * D);
-        }
-    }
-    for (long b = 0; b < B; b++)
+    for (long b = 0, first = 0; b < B; first += row_tokens(S, b), b++)
         for (long g = 0; g < Hkv; g++) {
             long at = b * S->cache_row_stride + g * S->max_len * D;
-            attend(S, b, g, kc + at, vc + at);
+            attend(S, b, first, row_tokens(S, b), g, kc + at, vc + at);
         }
     product(S, S->attn, L->o, L->o_bits, NULL, S->tmp, R, E, S->pitch_a);
     add_rows(x, S->tmp, R * E);

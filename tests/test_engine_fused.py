@@ -67,6 +67,34 @@ def test_fused_logits_and_cache_match_the_torch_path(tmp_path, arch, one_thread)
         assert (out[1] - out[0]).abs().max() < (out[0] - out[0].roll(1, -1)).abs().max() * 1e-3
 
 
+def test_ragged_steps_compute_only_the_real_tokens(pair_engine, one_thread):
+    """With `sizes`, each row's padding is skipped: real tokens' logits match the padded torch step, the
+    padding's logits are zeros and its cache slots are never written."""
+    torch_path, fused = linear_transformer(pair_engine.target, "skinny"), linear_transformer(pair_engine.target, "fused")
+    prompts = tiny_models.repeating_prompts([9, 17, 5], seed=2)
+    sizes = [3, 7, 1]
+    depths, anc = random_tree(3, 7, seed=11)
+    for b, n in enumerate(sizes):  # padding nodes see only themselves, as batch_tensors builds them
+        anc[b, n:] = torch.eye(7, dtype=torch.bool)[n:]
+        depths[b, n:] = 0
+    tokens = torch.randint(0, 101, (3, 7), generator=torch.Generator().manual_seed(4))
+    out, caches = [], []
+    for m, kw in ((torch_path, {}), (fused, {"sizes": sizes})):
+        cache = m.new_cache(3, 40)
+        for row, prompt in enumerate(prompts):
+            m.prefill_row(cache, row, prompt)
+        with torch.inference_mode():
+            out.append(m.step(tokens, cache, cache.lengths, depths, anc, **kw))
+        caches.append(cache)
+    for b, n in enumerate(sizes):
+        torch.testing.assert_close(out[1][b, :n], out[0][b, :n], rtol=1e-4, atol=1e-4)
+        assert not out[1][b, n:].any() and (n == 7 or out[0][b, n:].abs().sum() > 0)
+        base = len(prompts[b])
+        torch.testing.assert_close(caches[1].k[:, b, :, :base + n], caches[0].k[:, b, :, :base + n],
+                                   rtol=1e-5, atol=1e-5)
+        assert not caches[1].k[:, b, :, base + n:].any() and (n == 7 or caches[0].k[:, b, :, base + n:].any())
+
+
 def test_wide_steps_take_the_torch_path_and_agree(pair_engine, one_thread):
     fused = linear_transformer(pair_engine.target, "fused")
     rows = fused._rows
@@ -102,11 +130,15 @@ def test_dispatch_probe_skips_the_products(pair_engine, one_thread):
 
 
 def test_fused_batched_serving_equals_single_request_ar(pair_engine, one_thread):
+    """Ragged verification under every batching policy (allocate and cap give rows different depths)."""
     prompts = tiny_models.repeating_prompts([9, 14, 20, 11, 16, 7], seed=5)
     limits = [20, 12, 24, 16, 20, 9]
     ar = [pair_engine.generate([p], [n], speculative=False).tokens[0] for p, n in zip(prompts, limits)]
+    assert pair_engine.models_for(Recipe.from_dict(FUSED))[0].ragged and not pair_engine.target.ragged
     for extra in ({"tree": {"policy": "dynamic", "depth": 4, "budget": 10}},
-                  {"draft": {"method": "early_exit", "exit_layer": 1}, "tree": {"depth": 3}}):
+                  {"draft": {"method": "early_exit", "exit_layer": 1}, "tree": {"depth": 3}},
+                  {"draft": {"method": "ngram"}, "tree": {"depth": 6}, "batching": {"policy": "allocate"}},
+                  {"draft": {"method": "ngram"}, "tree": {"depth": 6}, "batching": {"policy": "cap"}}):
         recipe = Recipe.from_dict({**FUSED, **extra})
         assert pair_engine.serve(prompts, limits, recipe, max_batch=4).tokens == ar
 

@@ -118,11 +118,21 @@ def test_policies_price_the_step_overhead_they_observe():
     assert best_uniform_depth(table, 2, 0.5, max_depth=2, overhead_ms={0: 20.0, 2: 40.0}) == 1
     policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
     assert policy.depths([0.5, 0.5]) == [0, 0]
-    policy.observe(2, 1, 25.0)  # 15 ms priced for one draft token per row: 10 ms beyond the table
+    policy.observe([1, 1], 25.0)  # 15 ms priced for one draft token per row: 10 ms beyond the table
     assert policy.overhead_ms == {2: {1: 10.0}}
-    policy.observe(2, 1, 45.0)  # moving average 0.8 * 10 + 0.2 * 30
+    policy.observe([1, 0], 45.0)  # padded to the deepest row: moving average 0.8 * 10 + 0.2 * 30
     assert policy.overhead_ms[2][1] == pytest.approx(14.0)
     assert policy.depths([0.5, 0.5]) != [0, 0]
     fixed = Policy("fixed", None, table)
-    fixed.observe(2, 1, 99.0)
+    fixed.observe([1, 1], 99.0)
     assert fixed.overhead_ms == {}
+
+
+def test_a_ragged_target_prices_steps_by_their_mean_depth():
+    """Padded verification pays rows x the deepest draft; ragged verification the mean tokens per row."""
+    table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
+    assert table.step_ms([2, 0], ragged=False) == 20.0
+    assert table.step_ms([2, 0], ragged=True) == 15.0 and table.step_ms([1, 0], ragged=True) == 12.5
+    ragged = Policy("allocate", TreeSpec("static", chain_paths(2)), table, ragged=True)
+    ragged.observe([2, 0], 25.0)  # mean depth 1, priced 15 ms
+    assert ragged.overhead_ms == {2: {1: 10.0}}

@@ -216,7 +216,8 @@ def verify(target: Transformer, cache, trees: list[DraftTree], ver: Verification
     """One target forward over every row's tree; the target's choice at every node."""
     tokens, depths, anc = batch_tensors(trees, target.device)
     B, T = tokens.shape
-    logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc)
+    logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc,
+                         sizes=[len(t) for t in trees])
     return _choices(logits, trees, ver, req, lengths)
 
 

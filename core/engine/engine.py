@@ -160,7 +160,7 @@ class Engine:
         b, v = recipe.batching, recipe.verify
         if table is None and b.policy != "fixed":
             table = self.cost_table(recipe, [max_batch])
-        policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap)
+        policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap, target.ragged)
         return serve(target, self.drafter_for(recipe), prompts, limits, tree_spec(recipe), policy, max_batch,
                      Verification(v.sampling, v.temperature, v.top_p, v.seed), request_ids)
 

@@ -36,7 +36,8 @@ class StepParams(ctypes.Structure):
                [("eps", ctypes.c_double), ("scale", ctypes.c_double), ("cos", _ptr), ("sin", _ptr),
                 ("positions", _ptr), ("base", _ptr), ("offset", _long), ("ancestors", _ptr), ("A", _long),
                 ("span", _long), ("cache_row_stride", _long), ("max_len", _long)] + \
-               [(name, _ptr) for name in ("h", "qkv", "attn", "gu", "act", "tmp", "scores")] + [("products", _long)]
+               [(name, _ptr) for name in ("h", "qkv", "attn", "gu", "act", "tmp", "scores")] + \
+               [("products", _long), ("sizes", _ptr)]
 
 
 def _pad8(n: int) -> int:
@@ -48,9 +49,11 @@ def _address(t: torch.Tensor | None) -> int | None:
 
 
 class FusedTransformer(Transformer):
-    """A float32 Transformer with skinny projections whose narrow steps run each layer in one C call."""
+    """A float32 Transformer with skinny projections whose narrow steps run each layer in one C call, over
+    each row's real tree tokens only when the caller gives their `sizes` (ragged verification)."""
 
     products = True
+    ragged = True
 
     @classmethod
     def build(cls, model: Transformer) -> "FusedTransformer":
@@ -104,11 +107,16 @@ class FusedTransformer(Transformer):
 
     def step(self, tokens: torch.Tensor, cache: KVCache, base: torch.Tensor, depths: torch.Tensor,
              ancestors: torch.Tensor | None, offset: int = 0,
-             logits_at: torch.Tensor | None = None) -> torch.Tensor | None:
-        """As Transformer.step; steps of up to the skinny row limit run the C layers."""
+             logits_at: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor | None:
+        """As Transformer.step; steps of up to the skinny row limit run the C layers. With `sizes` (real
+        tokens per row, each a prefix of its T) the padding is neither computed nor written to the cache, and
+        its logits are zeros."""
         B, T = tokens.shape
+        if sizes is not None and (logits_at is not None or sum(sizes) == B * T):
+            sizes = None
         k, v = cache.k, cache.v
-        if B * T > self._rows or k.stride(4) != 1 or k.stride(3) != k.shape[4] or k.stride(2) != k.shape[3] * k.shape[4]:
+        packed = k.stride(4) == 1 and k.stride(3) == k.shape[4] and k.stride(2) == k.shape[3] * k.shape[4]
+        if (B * T if sizes is None else sum(sizes)) > self._rows or not packed:
             return super().step(tokens, cache, base, depths, ancestors, offset, logits_at)
         c = self.cfg
         base = base.to(torch.long).contiguous()
@@ -117,6 +125,10 @@ class FusedTransformer(Transformer):
         span = int(base.max()) + A
         if ancestors is not None:
             ancestors = ancestors.to(torch.bool).contiguous()
+        valid = None
+        if sizes is not None:
+            counts = torch.tensor(sizes, dtype=torch.long)
+            valid = torch.arange(T)[None, :] < counts[:, None]
         buffers = self._workspace(B * T, span)
         step = StepParams(
             B=B, T=T, E=c.hidden_size, H=c.num_heads, Hkv=c.num_kv_heads, D=c.head_dim, I=c.intermediate_size,
@@ -124,13 +136,19 @@ class FusedTransformer(Transformer):
             eps=c.rms_norm_eps, scale=c.head_dim ** -0.5, cos=self.cos.data_ptr(), sin=self.sin.data_ptr(),
             positions=positions.data_ptr(), base=base.data_ptr(), offset=offset,
             ancestors=_address(ancestors), A=A, span=span, cache_row_stride=k.stride(1), max_len=k.shape[3],
-            products=int(self.products), **{name: t.data_ptr() for name, t in buffers.items()})
-        x = F.embedding(tokens, self.embed).contiguous()
+            products=int(self.products), sizes=None if valid is None else counts.data_ptr(),
+            **{name: t.data_ptr() for name, t in buffers.items()})
+        x = F.embedding(tokens if valid is None else tokens[valid], self.embed).contiguous()
         layer_stride = k.stride(0) * k.element_size()
         k_at, v_at = k.data_ptr(), v.data_ptr()
         fused_layer, step_ref = self._lib.fused_layer, ctypes.byref(step)
         for i, params in enumerate(self._params):
             fused_layer(ctypes.byref(params), step_ref, x.data_ptr(), k_at + i * layer_stride, v_at + i * layer_stride)
+        if valid is not None:
+            logits = self.lm_head(self._norm(x, self.norm))
+            out = logits.new_zeros(B, T, logits.shape[-1])
+            out[valid] = logits
+            return out
         if logits_at is not None:
             if logits_at.numel() == 0:
                 return None

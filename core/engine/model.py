@@ -122,6 +122,8 @@ class StepInputs:
 class Transformer:
     """Weights plus a forward over (tokens, per-row lengths, tree ancestry) that writes the KV cache."""
 
+    ragged = False  # whether step() computes only each row's real tokens when given their sizes
+
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str, num_layers: int | None = None) -> None:
         self.cfg = cfg
@@ -270,10 +272,11 @@ class Transformer:
 
     def step(self, tokens: torch.Tensor, cache: KVCache, base: torch.Tensor, depths: torch.Tensor,
              ancestors: torch.Tensor | None, offset: int = 0,
-             logits_at: torch.Tensor | None = None) -> torch.Tensor | None:
+             logits_at: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor | None:
         """Forward `tokens` [B, T] against the cache; see StepInputs for the placement rules.
 
         `ancestors` may be None only when every slot below base + offset + T is visible to every query
-        (batch 1, one token).
+        (batch 1, one token). `sizes` (real tokens per row, the rest padding) lets a `ragged` model skip the
+        padding; this torch path computes it.
         """
         return self.forward(StepInputs(self, tokens, base, depths, ancestors, offset), cache, logits_at)

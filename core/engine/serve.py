@@ -8,6 +8,9 @@ Batching policies decide each row's draft depth per step:
             size (down to 0: no speculation where it stops paying);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
+On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
+a step of per-row depths d costs the table's forward at the mean tokens per row, not at the deepest row's;
+that is what lets allocate and cap give confident rows deeper drafts without every row paying for them.
 A step's price is the table's forward and draft cost plus what real steps of that batch size and depth
 cost beyond it (verification around the forward, commit, bookkeeping, a cache that is not warm), which
 the policy measures as the run goes; a depth not yet tried is priced with the nearest one measured. Every
@@ -47,6 +50,18 @@ class CostTable:
         near = min(measured_rows, key=lambda r: abs(r - rows))
         t = min(tokens, max(k for r, k in self.verify if r == near))
         return self.verify[(near, t)] * max(rows, 1) / near
+
+    def step_ms(self, depths: list[int], ragged: bool) -> float:
+        """Verification forward of one step whose rows draft `depths`: padded to the deepest row, or on a
+        ragged target at the mean tokens per row (interpolated between the measured whole counts)."""
+        rows = len(depths)
+        if not ragged:
+            return self.verify_ms(rows, max(depths) + 1)
+        mean = sum(depths) / rows + 1
+        lo = int(mean)
+        hi = lo + 1 if mean > lo else lo
+        low = self.verify_ms(rows, lo)
+        return low + (mean - lo) * (self.verify_ms(rows, hi) - low)
 
 
 def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes: list[int], max_depth: int = MAX_DEPTH,
@@ -122,6 +137,7 @@ class Policy:
     table: CostTable | None = None
     node_budget: int = 0
     token_cap: int = 0
+    ragged: bool = False  # the target computes only real tree tokens (steps priced by their mean depth)
     overhead_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> depth -> ms
 
     def depths(self, alphas: list[float]) -> list[int] | None:
@@ -138,12 +154,15 @@ class Policy:
         cap = self.token_cap or bend(self.table, n)
         return allocate(alphas, min(cap - n, n * max(uniform, 1)))
 
-    def observe(self, rows: int, depth: int, step_ms: float) -> None:
-        """Learn what a step of this batch size and depth (the deepest draft) costs beyond the table's price,
-        from one that took `step_ms` (admission and prefill excluded); a moving average per depth."""
+    def observe(self, depths: list[int], step_ms: float) -> None:
+        """Learn what a step of this batch size and depth (the deepest draft; the mean one on a ragged
+        target) costs beyond the table's price, from one whose rows drafted `depths` and took `step_ms`
+        (admission and prefill excluded); a moving average per depth."""
         if self.table is None or self.name == "fixed":
             return
-        priced = self.table.verify_ms(rows, depth + 1) + depth * self.table.draft.get(rows, 0.0)
+        rows, deepest = len(depths), max(depths)
+        depth = round(sum(depths) / rows) if self.ragged else deepest
+        priced = self.table.step_ms(depths, self.ragged) + deepest * self.table.draft.get(rows, 0.0)
         seen = max(0.0, step_ms - priced)
         known = self.overhead_ms.setdefault(rows, {})
         known[depth] = seen if depth not in known else 0.8 * known[depth] + 0.2 * seen
@@ -252,7 +271,7 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                     drafter.drop_last()
             t5 = time.perf_counter()
             if depths is not None:
-                policy.observe(n, max(depths), (t5 - t1) * 1e3)
+                policy.observe(depths, (t5 - t1) * 1e3)
             steps.append(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t1 - t0 + t5 - t4) * 1e3,
                                    sum(len(t) for t in trees), accepted))
     return GenerateResult(outputs, steps, time.perf_counter() - start)
