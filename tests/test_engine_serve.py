@@ -136,17 +136,3 @@ def test_a_ragged_target_prices_steps_by_their_mean_depth():
     ragged = Policy("allocate", TreeSpec("static", chain_paths(2)), table, ragged=True)
     ragged.observe([2, 0], 25.0)  # mean depth 1, priced 15 ms
     assert ragged.overhead_ms == {2: {1: 10.0}}
-
-
-def test_ragged_allocation_drafts_for_the_confident_rows_only():
-    """On a ragged target each node costs its share of the step, so the allocation picks how many nodes pay:
-    none when every row is unsure, a few for the confident row, and no more under a token cap."""
-    from core.engine.serve import best_allocation
-
-    table = CostTable({(2, t): 10.0 + 2.0 * t for t in range(1, 10)})  # 2 ms per token per row
-    assert best_allocation(table, [0.05, 0.05], 16) == [0, 0]
-    confident = best_allocation(table, [0.95, 0.05], 16)
-    assert confident[0] >= 3 and confident[1] == 0
-    assert sum(best_allocation(table, [0.95, 0.05], 2)) <= 2
-    policy = Policy("cap", TreeSpec("static", chain_paths(8)), table, token_cap=4, ragged=True)
-    assert policy.depths([0.95, 0.05]) == [2, 0]

@@ -6,8 +6,7 @@ Batching policies decide each row's draft depth per step:
   fixed     the recipe's tree for every row (stock behaviour);
   budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
             size (down to 0: no speculation where it stops paying);
-  allocate  a shared per-step node budget spread over rows by their expected acceptance (on a ragged
-            target, the budget is the total that maximises expected tokens per ms);
+  allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
 a step of per-row depths d costs the table's forward at the mean tokens per row, not at the deepest row's;
@@ -124,34 +123,6 @@ def allocate(alphas: list[float], nodes: int, max_depth: int = MAX_DEPTH) -> lis
     return depths
 
 
-def best_allocation(table: CostTable, alphas: list[float], max_nodes: int, max_depth: int = MAX_DEPTH,
-                    overhead_ms: dict[int, float] | None = None) -> list[int]:
-    """On a ragged target: per-row depths maximising expected tokens per ms, over every total node count up
-    to `max_nodes`, each spread greedily by marginal acceptance (as `allocate`) and priced by its mean depth."""
-    seen = overhead_ms or {}
-    rows = len(alphas)
-
-    def rate(depths: list[int], expected: float) -> float:
-        mean = round(sum(depths) / rows)
-        extra = seen[min(seen, key=lambda k: (abs(k - mean), k))] if seen else 0.0
-        return expected / (table.step_ms(depths, True) + max(depths) * table.draft.get(rows, 0.0) + extra)
-
-    depths = [0] * rows
-    expected = float(rows)
-    best, best_rate = list(depths), rate(depths, expected)
-    for _ in range(max(0, max_nodes)):
-        gains = [a ** (d + 1) if d < max_depth else -1.0 for a, d in zip(alphas, depths)]
-        pick = max(range(rows), key=lambda i: gains[i])
-        if gains[pick] <= 0:
-            break
-        depths[pick] += 1
-        expected += gains[pick]
-        r = rate(depths, expected)
-        if r > best_rate:
-            best, best_rate = list(depths), r
-    return best
-
-
 def bend(table: CostTable, rows: int, max_depth: int = MAX_DEPTH) -> int:
     """Verified tokens per step where the cost curve bends: the widest step costing <= 1.5x one token."""
     one = table.verify_ms(rows, 1)
@@ -179,12 +150,8 @@ class Policy:
         if self.name == "budget":
             return [uniform] * n
         if self.name == "allocate":
-            if self.ragged and not self.node_budget:
-                return best_allocation(self.table, alphas, n * MAX_DEPTH, overhead_ms=self.overhead_ms.get(n))
             return allocate(alphas, self.node_budget or n * uniform)
         cap = self.token_cap or bend(self.table, n)
-        if self.ragged:
-            return best_allocation(self.table, alphas, cap - n, overhead_ms=self.overhead_ms.get(n))
         return allocate(alphas, min(cap - n, n * max(uniform, 1)))
 
     def observe(self, depths: list[int], step_ms: float) -> None:
