@@ -26,7 +26,7 @@ def test_real_loop_approve_under_tmux(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     env = {"SPECPILOT_CONFIG_DIR": str(tmp_path / "config"), "TERM": "xterm-256color",
            "TOKENIZERS_PARALLELISM": "false"}
-    args = ["--db", str(db), "--agents", "local:4", "--rounds", "3", "--max-requests", "8"]
+    args = ["--db", str(db), "--agents", "local:4", "--rounds", "3", "--max-requests", "4"]
     command = (f"cd {shlex.quote(str(tmp_path))} && env {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} "
                f"{shlex.join(tui_command() + args)}; echo $? > {shlex.quote(str(status))}")
     tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24", command)
