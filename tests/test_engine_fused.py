@@ -70,7 +70,7 @@ def test_fused_logits_and_cache_match_the_torch_path(tmp_path, arch, one_thread)
 def test_ragged_steps_compute_only_the_real_tokens(pair_engine, one_thread):
     """With `sizes`, each row's padding is skipped: real tokens' logits match the padded torch step, the
     padding's logits are zeros and its cache slots are never written."""
-    torch_path, fused = linear_transformer(pair_engine.target, "skinny"), linear_transformer(pair_engine.target, "fused")
+    torch_path, fused = (linear_transformer(pair_engine.target, b) for b in ("skinny", "fused"))
     prompts = tiny_models.repeating_prompts([9, 17, 5], seed=2)
     sizes = [3, 7, 1]
     depths, anc = random_tree(3, 7, seed=11)
