@@ -227,6 +227,8 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     assert len(local_agents_for(report, 20, [])) == 6
     dirs = directions(report, 4)
     assert dirs[0].startswith("drafting gap (the largest): 0.90 ms/token") and dirs[3].startswith("drafting")
+    dispatch = {"gaps": [{"component": "dispatch", "ms_per_token": 0.9}], "largest_gap": "dispatch"}
+    assert [a.name for a in local_agents_for(dispatch, 2, [])] == ["runtime", "draft-length"]  # the fused layer
 
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
     monkeypatch.delenv("ANTHROPIC_AUTH_TOKEN", raising=False)

@@ -301,9 +301,10 @@ class WeightFormatAgent(LocalAgent):
 
 
 class RuntimeAgent(LocalAgent):
-    """Verify gap on a CPU: verification runs few-row GEMMs, where the default BLAS can be much slower than
-    oneDNN's or SpecPilot's skinny kernel; the profile measured the target's forward under every linear
-    backend, so the choice is priced on this machine, not assumed."""
+    """Verify and dispatch gaps on a CPU: verification runs few-row GEMMs, where the default BLAS can be much
+    slower than oneDNN's or SpecPilot's skinny kernel, and some 25 small ops per layer, which the fused layer
+    runs in one C call; the profile measured the target's forward under every linear backend, so the choice
+    is priced on this machine, not assumed."""
 
     default_name = "runtime"
 
@@ -314,8 +315,8 @@ class RuntimeAgent(LocalAgent):
         others = [b for b in curves if b != inc.runtime.linear]
         if not others:
             measured = ", ".join(curves) or inc.runtime.linear
-            return AgentFailure(self.name, f"no other linear backend runs here (measured: {measured}; onednn and "
-                                           f"skinny run on a CPU), so the runtime has nothing to change on "
+            return AgentFailure(self.name, f"no other linear backend runs here (measured: {measured}; onednn, "
+                                           f"skinny and fused run on a CPU), so the runtime has nothing to change on "
                                            f"{tools.device}")
         base = evaluate(tools, f"linear {inc.runtime.linear}", inc)
         options = []
@@ -499,7 +500,7 @@ GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "drafting": (DrafterChoiceAgent, DraftLengthAgent),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (DraftLengthAgent, RuntimeAgent),
-    "dispatch": (DraftLengthAgent, TreeShapeAgent),
+    "dispatch": (RuntimeAgent, DraftLengthAgent, TreeShapeAgent),
     "batching": (BatchingAgent,),
 }
 DEFAULT_ORDER: tuple[type[LocalAgent], ...] = (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent,

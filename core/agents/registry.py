@@ -25,7 +25,7 @@ HINTS = {
               "weight bytes (packed12), fewer nodes",
     "host": "cut per-step host overhead: fewer steps per token, less Python per step",
     "dispatch": "cut the verify forward's time outside its weight products (op dispatch, norms, attention): fewer "
-                "forwards per token (longer drafts, bigger trees), a fused or compiled forward",
+                "forwards per token (longer drafts, bigger trees), a fused forward (runtime.linear = 'fused')",
     "batching": "share the verify budget across requests: batching policy and node budget",
 }
 
