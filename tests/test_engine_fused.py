@@ -134,7 +134,10 @@ def test_fused_batched_serving_equals_single_request_ar(pair_engine, one_thread)
     prompts = tiny_models.repeating_prompts([9, 14, 20, 11, 16, 7], seed=5)
     limits = [20, 12, 24, 16, 20, 9]
     ar = [pair_engine.generate([p], [n], speculative=False).tokens[0] for p, n in zip(prompts, limits)]
-    assert pair_engine.models_for(Recipe.from_dict(FUSED))[0].ragged and not pair_engine.target.ragged
+    fused = pair_engine.models_for(Recipe.from_dict(FUSED))[0]
+    assert fused.ragged and not pair_engine.target.ragged
+    skinny = pair_engine.models_for(Recipe.from_dict({"runtime": {"linear": "skinny"}}))[0]
+    assert fused.layers[0].qkv is skinny.layers[0].qkv  # one set of packed weights for both backends
     for extra in ({"tree": {"policy": "dynamic", "depth": 4, "budget": 10}},
                   {"draft": {"method": "early_exit", "exit_layer": 1}, "tree": {"depth": 3}},
                   {"draft": {"method": "ngram"}, "tree": {"depth": 6}, "batching": {"policy": "allocate"}},

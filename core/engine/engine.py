@@ -87,7 +87,11 @@ class Engine:
             from core.engine.linear import linear_transformer
 
             base = target
-            target = self._converted(f"{fmt}+{backend}", lambda: linear_transformer(base, backend))
+
+            def skinny() -> Transformer:  # fused builds on the skinny copy, sharing its packed weights
+                return self._converted(f"{fmt}+skinny", lambda: linear_transformer(base, "skinny"))
+
+            target = self._converted(f"{fmt}+{backend}", lambda: linear_transformer(base, backend, skinny))
         return target, drafter
 
     def _converted(self, key: str, build) -> Transformer:

@@ -93,14 +93,14 @@ class FusedTransformer(Transformer):
     def _workspace(self, rows: int, span: int) -> dict[str, torch.Tensor]:
         """Per-thread buffers for `rows` rows (padding columns stay zero), reused across steps."""
         c = self.cfg
-        sizes = {"h": _pad8(c.hidden_size), "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
-                 "attn": _pad8(c.num_heads * c.head_dim), "gu": 2 * c.intermediate_size,
-                 "act": _pad8(c.intermediate_size), "tmp": c.hidden_size}
+        widths = {"h": _pad8(c.hidden_size), "qkv": (c.num_heads + 2 * c.num_kv_heads) * c.head_dim,
+                  "attn": _pad8(c.num_heads * c.head_dim), "gu": 2 * c.intermediate_size,
+                  "act": _pad8(c.intermediate_size), "tmp": c.hidden_size}
         cached = getattr(self._local, "buffers", None)
         if cached is None or cached["h"].shape[0] < rows or cached["scores"].numel() < QUERY_BLOCK * span:
             grow_rows = max(rows, 0 if cached is None else cached["h"].shape[0])
             grow_span = max(QUERY_BLOCK * span, 0 if cached is None else cached["scores"].numel())
-            cached = {k: torch.zeros(grow_rows, n) for k, n in sizes.items()}
+            cached = {k: torch.zeros(grow_rows, n) for k, n in widths.items()}
             cached["scores"] = torch.zeros(grow_span)
             self._local.buffers = cached
         return cached
@@ -112,11 +112,12 @@ class FusedTransformer(Transformer):
         tokens per row, each a prefix of its T) the padding is neither computed nor written to the cache, and
         its logits are zeros."""
         B, T = tokens.shape
-        if sizes is not None and (logits_at is not None or sum(sizes) == B * T):
+        rows = B * T if sizes is None else sum(sizes)
+        if rows == B * T or logits_at is not None:
             sizes = None
         k, v = cache.k, cache.v
         packed = k.stride(4) == 1 and k.stride(3) == k.shape[4] and k.stride(2) == k.shape[3] * k.shape[4]
-        if (B * T if sizes is None else sum(sizes)) > self._rows or not packed:
+        if (B * T if sizes is None else rows) > self._rows or not packed:
             return super().step(tokens, cache, base, depths, ancestors, offset, logits_at)
         c = self.cfg
         base = base.to(torch.long).contiguous()

@@ -21,6 +21,8 @@ floating-point near-ties only (the forcing gate's tie policy decides).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.nn.functional as F
 
@@ -75,10 +77,12 @@ def skinny_dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Line
     return project
 
 
-def linear_transformer(model: Transformer, backend: str) -> Transformer:
+def linear_transformer(model: Transformer, backend: str,
+                       skinny: Callable[[], Transformer] | None = None) -> Transformer:
     """A copy of `model` sharing its tensors whose projections and LM head use `backend` ("onednn",
     "skinny", or "fused": skinny products inside one C call per layer, float32 only); a one-line
-    ModelLoadError says what to change where it cannot run."""
+    ModelLoadError says what to change where it cannot run. For "fused", `skinny` returns the model's
+    skinny-backend copy to build on (so the two share one set of packed weights); by default one is made."""
     if model.device.type != "cpu":
         raise ModelLoadError(f"runtime.linear = '{backend}' is a CPU backend; this model is on {model.device}, "
                              "so use linear = 'native'")
@@ -95,10 +99,11 @@ def linear_transformer(model: Transformer, backend: str) -> Transformer:
         except SkinnyUnavailable as e:
             raise ModelLoadError(f"runtime.linear = '{backend}' cannot run here: {e}; use linear = 'onednn' or "
                                  "'native'") from None
-        if backend == "fused" and model.dtype != torch.float32:
-            raise ModelLoadError(f"runtime.linear = 'fused' computes in float32, not {str(model.dtype)[6:]}; use "
-                                 "linear = 'skinny' or dtype float32")
+        if backend == "fused":
+            if model.dtype != torch.float32:
+                raise ModelLoadError(f"runtime.linear = 'fused' computes in float32, not {str(model.dtype)[6:]}; "
+                                     "use linear = 'skinny' or dtype float32")
+            return FusedTransformer.build(skinny() if skinny else linear_transformer(model, "skinny"))
         exact = all(bfloat16_exact(w) for w in model.matrices())
-        skinny = model.with_projections(skinny_dense, matrix_bits=16 if exact else None)
-        return skinny if backend == "skinny" else FusedTransformer.build(skinny)
+        return model.with_projections(skinny_dense, matrix_bits=16 if exact else None)
     raise ModelLoadError(f"unknown linear backend {backend!r}; use native, onednn, skinny or fused")
