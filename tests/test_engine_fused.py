@@ -1,7 +1,8 @@
 """runtime.linear = "fused": each layer in one C call (kernels/layer.c) around the skinny products. Its logits
 match the torch path of the same model on batched tree steps (per-row bases, offsets, masks, GQA, Qwen's
 q/k norms and biases), its cache writes are the torch path's, wide steps fall back, the dispatch probe skips
-its products, batched serving equals single-request AR, and a bf16 model is refused in one line."""
+its products, batched serving (the model drafter on the fused layer too) equals single-request AR, and a bf16
+model is refused in one line."""
 
 import pytest
 import torch
@@ -134,8 +135,9 @@ def test_fused_batched_serving_equals_single_request_ar(pair_engine, one_thread)
     prompts = tiny_models.repeating_prompts([9, 14, 20, 11, 16, 7], seed=5)
     limits = [20, 12, 24, 16, 20, 9]
     ar = [pair_engine.generate([p], [n], speculative=False).tokens[0] for p, n in zip(prompts, limits)]
-    fused = pair_engine.models_for(Recipe.from_dict(FUSED))[0]
+    fused, drafter = pair_engine.models_for(Recipe.from_dict(FUSED))
     assert fused.ragged and not pair_engine.target.ragged
+    assert isinstance(drafter, FusedTransformer)  # the runtime is the deployment's: the drafter runs on it too
     skinny = pair_engine.models_for(Recipe.from_dict({"runtime": {"linear": "skinny"}}))[0]
     assert fused.layers[0].qkv is skinny.layers[0].qkv  # one set of packed weights for both backends
     for extra in ({"tree": {"policy": "dynamic", "depth": 4, "budget": 10}},
