@@ -178,6 +178,17 @@ def test_prediction_ranks_a_deeper_self_drafted_chain_higher(tiny_pair):
     native = predict_detail(halved, replay, chain1)["step_ms"]["verify"]
     onednn = predict_detail(halved, replay, chain1.replace(runtime={"linear": "onednn"}))["step_ms"]["verify"]
     assert onednn == pytest.approx(native / 2)
+    # The drafter runs on the recipe's backend too: its forwards are timed under every backend, and a
+    # backend whose drafter forwards take a third of the time prices the drafter's forwards at a third.
+    assert set(prof.drafter_backend_curves) == runs_here
+    assert all(set(kinds) == set(prof.drafters) for kinds in prof.drafter_backend_curves.values())
+    curves = halved.drafter_backend_curves
+    curves["onednn"] = {k: {w: ms / 3 for w, ms in curves["native"][k].items()} for k in curves["native"]}
+    moved = drafter_cost(halved, chain1.replace(runtime={"linear": "onednn"}))
+    own = drafter_cost(halved, chain1)
+    assert own == halved.drafters["model"]
+    assert moved["curve"] == pytest.approx({w: ms / 3 for w, ms in own["curve"].items()})
+    assert moved["prefill_ms"] == pytest.approx(own["prefill_ms"] / 3) and moved["fixed_ms"] == own["fixed_ms"]
 
 
 def test_probe_is_cached_per_device_and_dtype(tmp_path, monkeypatch):

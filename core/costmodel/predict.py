@@ -3,8 +3,10 @@
 Step time = draft + verify + commit/host:
   draft   model/early-exit drafters: per-call host work + per level (host work + a forward of that level's
           width), from the profile's drafter curves and real draft() timings; the drafter's prompt prefill
-          once per request. An early exit at an unmeasured layer: interpolated per layer between the
-          measured early exit and the full target. n-gram: the lookup time measured while replaying it.
+          once per request. On another linear backend than the profiled one, the drafter's forwards are
+          scaled by the two backends' measured drafter curves (the drafter runs on the recipe's backend).
+          An early exit at an unmeasured layer: interpolated per layer between the measured early exit
+          and the full target. n-gram: the lookup time measured while replaying it.
   verify  the target's cost curve (under the recipe's linear backend) at the mean nodes per step.
   commit/host  the incumbent's measured means.
 Microbenchmarks fix the shape of these costs, the profiled run their level: draft and verify are scaled by
@@ -37,27 +39,46 @@ def _levels(recipe: Recipe) -> list[int]:
     return [1] + [sum(1 for p in parents if len(p) == d) for d in range(1, depth)]
 
 
+def on_backend(profile: Profile, kind: str, cost: dict, backend: str) -> dict:
+    """A drafter's profiled costs with its forwards moved to `backend` (the drafter runs on the recipe's
+    linear backend): each forward and the prompt prefill scaled by the ratio of the two backends' forward
+    curves, timed interleaved; the per-call and per-level host work stays as profiled."""
+    curves = profile.drafter_backend_curves
+    profiled = Recipe.from_dict(profile.recipe).runtime.linear
+    if backend == profiled or kind not in curves.get(backend, {}) or kind not in curves.get(profiled, {}):
+        return cost
+    new, old = curves[backend][kind], curves[profiled][kind]
+
+    def ratio(width: float) -> float:
+        return interpolate(new, width) / max(interpolate(old, width), 1e-9)
+
+    return {**cost, "curve": {w: ms * ratio(w) for w, ms in cost["curve"].items()},
+            "prefill_ms": cost["prefill_ms"] * ratio(max(new))}
+
+
 def drafter_cost(profile: Profile, recipe: Recipe) -> dict:
-    """The profile's costs of the recipe's drafter. An early exit at a depth that was not measured is
-    interpolated per layer between a measured early exit and the full target (below the measured depth:
-    extrapolated, but never under the measured cost scaled by layers)."""
+    """The profile's costs of the recipe's drafter on the recipe's linear backend. An early exit at a depth
+    that was not measured is interpolated per layer between a measured early exit and the full target
+    (below the measured depth: extrapolated, but never under the measured cost scaled by layers)."""
+    backend = recipe.runtime.linear
     if recipe.draft.method == "model":
         if "model" not in profile.drafters:
             raise ValueError("the profile has no measurements of a drafter model; profile a deployment with a "
                              "drafter checkpoint to predict draft.method = 'model'")
-        return profile.drafters["model"]
+        return on_backend(profile, "model", profile.drafters["model"], backend)
     layers = recipe.draft.exit_layer or profile.target_layers // 2
     key = f"early_exit:{layers}"
     if key in profile.drafters:
-        return profile.drafters[key]
+        return on_backend(profile, key, profile.drafters[key], backend)
     measured = [k for k in profile.drafters if k.startswith("early_exit:")]
     if not measured:
         raise ValueError("the profile has no early-exit measurements; profile with an early_exit recipe")
-    base = profile.drafters[measured[0]]
+    base = on_backend(profile, measured[0], profile.drafters[measured[0]], backend)
+    target = profile.verify_curve_for(backend)
     e0, full = int(measured[0].split(":")[1]), profile.target_layers
     frac = (layers - e0) / (full - e0)
     floor = min(1.0, layers / e0)
-    curve = {w: max(ms + frac * (interpolate(profile.verify_curve, w) - ms), ms * floor)
+    curve = {w: max(ms + frac * (interpolate(target, w) - ms), ms * floor)
              for w, ms in base["curve"].items()}
     prefill = base["prefill_ms"] * max(1 + frac * (full / e0 - 1), floor)
     return {**base, "curve": curve, "prefill_ms": prefill}

@@ -26,6 +26,7 @@ from core.recipe import LINEAR_BACKENDS, Recipe
 NODES = (1, 2, 4, 8, 16, 32, 64)
 CHAIN_DEPTHS = (1, 2, 4, 8)
 DYNAMIC_SHAPE = (6, 4, 24)
+DRAFTER_WIDTHS = (1, 4, 16)
 DISPATCH = " dispatch"  # forward_curves key of the forward without weight products (no backend has a space)
 
 
@@ -75,6 +76,7 @@ class Profile:
     bytes: dict[str, int] = field(default_factory=dict)
     backend_curves: dict[str, dict[int, float]] = field(default_factory=dict)
     dispatch_curve: dict[int, float] = field(default_factory=dict)
+    drafter_backend_curves: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
 
     def verify_curve_for(self, backend: str) -> dict[int, float]:
         """The target's forward curve under a linear backend (the profiled recipe's when not measured)."""
@@ -92,6 +94,8 @@ class Profile:
         data["dispatch_curve"] = _int_keys(data.get("dispatch_curve", {}))
         data["drafters"] = {kind: {**d, "curve": _int_keys(d["curve"]), "chain": _int_keys(d["chain"])}
                             for kind, d in data.get("drafters", {}).items()}
+        data["drafter_backend_curves"] = {b: {k: _int_keys(c) for k, c in kinds.items()}
+                                          for b, kinds in data.get("drafter_backend_curves", {}).items()}
         return cls(**data)
 
 
@@ -345,4 +349,11 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
                else DYNAMIC_SHAPE)
     for kind, model in drafter_models(engine, recipe).items():
         prof.drafters[kind] = drafter_costs(model, context, prompt, widths, repeats, dynamic)
+    if prof.drafters:
+        drafters = {f"{backend}|{kind}": model for backend in curves
+                    for kind, model in drafter_models(engine, recipe.replace(runtime={"linear": backend})).items()}
+        timed = forward_curves(drafters, context, DRAFTER_WIDTHS, repeats)
+        for key, curve in timed.items():
+            backend, kind = key.split("|", 1)
+            prof.drafter_backend_curves.setdefault(backend, {})[kind] = curve
     return prof
