@@ -1,4 +1,4 @@
-"""Linear backends as a runtime mechanism for the target's projections on a CPU.
+"""Linear backends as a runtime mechanism for the projections of the target and the drafter model on a CPU.
 
 `[runtime] linear = "onednn"` runs multi-row projections (verification, prefill) through oneDNN's
 prepacked GEMM instead of torch's default BLAS; `linear = "skinny"` runs them through SpecPilot's own AVX2
