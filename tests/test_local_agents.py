@@ -157,6 +157,16 @@ def test_draft_length_streams_the_sweep(tmp_path: Path) -> None:
     assert "replaying chain depths 1..10:" in text and "predicted tok/s:" in text
 
 
+def test_draft_length_leaves_the_ngram_length_alone_when_it_predicts_no_gain(tmp_path: Path) -> None:
+    """FakeTools predicts every n-gram lookup length the same: a seeded tie-break must not change it."""
+    ngram = builtin("ngram").replace(tree={"depth": 2})
+    for seed in range(6):
+        out, text = run(DraftLengthAgent(), context(tmp_path, ngram, tools=FakeTools(), seed=seed))
+        cand = check_candidate(out, context(tmp_path, ngram))
+        assert "n-gram lookup lengths at chain" in text
+        assert cand.recipe.draft.ngram_max == ngram.draft.ngram_max and cand.recipe.tree.depth != 2
+
+
 def test_fails_with_reasons_when_nothing_wins(tmp_path: Path) -> None:
     tools = FakeTools()
     best, _ = run(TreeShapeAgent(), context(tmp_path, tools=tools))
