@@ -16,11 +16,10 @@
  * ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)).
  */
 #include <immintrin.h>
-
-#define PREFETCH_BLOCKS 16
-
 #include <stdint.h>
 #include <string.h>
+
+#define PREFETCH_BLOCKS 16
 
 /* w: float32 [n_rows, k]; p: float32 or (bf16 != 0) uint16 panels. bf16 keeps the high half of each float,
  * which is exact for the weights the caller checked are bfloat16 values. */

@@ -86,7 +86,7 @@ class Engine:
             if recipe.weights.drafter and drafter is not None:
                 drafter = self._converted(fmt + ":drafter", lambda: pack_transformer(self.drafter_model))
         if backend != "native":
-            target = self._on_backend(f"{fmt}", target, backend)
+            target = self._on_backend(fmt, target, backend)
             if drafter is not None:
                 drafter = self._on_backend(f"{fmt}:drafter", drafter, backend)
         return target, drafter
