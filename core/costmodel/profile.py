@@ -2,9 +2,10 @@
 
 A timed run gives the phase means (draft, verify, commit, host) from the engine's StepStats and the wall
 time outside steps (prefill, cache allocation). Microbenchmarks at a realistic prefix length give the
-verification cost curve (target forward for 1..64 nodes), the drafter's forward cost per width, and real
-`draft()` calls for chains of several depths, whose intercept and slope are the per-call and per-level
-host work on top of the forwards. Prediction (predict.py) composes any recipe's step from these.
+verification cost curve (target forward for 1..64 nodes, under every linear backend), the drafter's forward
+cost per width (also under every backend: it runs on the recipe's), and real `draft()` calls for chains of
+several depths, whose intercept and slope are the per-call and per-level host work on top of the forwards.
+Prediction (predict.py) composes any recipe's step from these.
 """
 
 from __future__ import annotations
