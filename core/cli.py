@@ -266,6 +266,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
           f"best tree {' '.join(f'{b}:{v:.2f}' for b, v in r['best_tree'].items())}")
     for backend, curve in report["profile"]["backend_curves"].items():
         print(f"verify ms by nodes ({backend}): " + "  ".join(f"{n}:{ms:.1f}" for n, ms in curve.items()))
+    for backend, kinds in report["profile"]["drafter_backend_curves"].items():
+        print(f"drafter ms by width ({backend}): " + "   ".join(
+            f"{kind} " + " ".join(f"{w}:{ms:.2f}" for w, ms in curve.items()) for kind, curve in kinds.items()))
     dispatch = report["profile"]["dispatch_curve"]
     print("outside weight products: " + "  ".join(f"{n}:{ms:.1f}" for n, ms in dispatch.items()))
     for gap in report["gaps"]:
