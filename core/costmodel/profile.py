@@ -24,7 +24,7 @@ from core.engine.model import Transformer
 from core.engine.tree import chain_paths
 from core.recipe import LINEAR_BACKENDS, Recipe
 
-NODES = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # dense where chains and trees live: the curve is lumpy there
+NODES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # dense where chains and trees live: the curve is lumpy there
 CHAIN_DEPTHS = (1, 2, 4, 8)
 DYNAMIC_SHAPE = (6, 4, 24)
 DRAFTER_WIDTHS = (1, 4, 16)
