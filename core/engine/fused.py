@@ -112,12 +112,12 @@ class FusedTransformer(Transformer):
         tokens per row, each a prefix of its T) the padding is neither computed nor written to the cache, and
         its logits are zeros."""
         B, T = tokens.shape
-        rows = B * T if sizes is None else sum(sizes)
-        if rows == B * T or logits_at is not None:
+        if sizes is not None and (sum(sizes) == B * T or logits_at is not None):
             sizes = None
+        rows = B * T if sizes is None else sum(sizes)
         k, v = cache.k, cache.v
         packed = k.stride(4) == 1 and k.stride(3) == k.shape[4] and k.stride(2) == k.shape[3] * k.shape[4]
-        if (B * T if sizes is None else rows) > self._rows or not packed:
+        if rows > self._rows or not packed:
             return super().step(tokens, cache, base, depths, ancestors, offset, logits_at)
         c = self.cfg
         base = base.to(torch.long).contiguous()
@@ -130,7 +130,7 @@ class FusedTransformer(Transformer):
         if sizes is not None:
             counts = torch.tensor(sizes, dtype=torch.long)
             valid = torch.arange(T)[None, :] < counts[:, None]
-        buffers = self._workspace(B * T, span)
+        buffers = self._workspace(rows, span)
         step = StepParams(
             B=B, T=T, E=c.hidden_size, H=c.num_heads, Hkv=c.num_kv_heads, D=c.head_dim, I=c.intermediate_size,
             pitch_e=buffers["h"].shape[1], pitch_a=buffers["attn"].shape[1], pitch_i=buffers["act"].shape[1],

@@ -59,9 +59,10 @@ class CostTable:
             return self.verify_ms(rows, max(depths) + 1)
         mean = sum(depths) / rows + 1
         lo = int(mean)
-        hi = lo + 1 if mean > lo else lo
         low = self.verify_ms(rows, lo)
-        return low + (mean - lo) * (self.verify_ms(rows, hi) - low)
+        if mean == lo:
+            return low
+        return low + (mean - lo) * (self.verify_ms(rows, lo + 1) - low)
 
 
 def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes: list[int], max_depth: int = MAX_DEPTH,
