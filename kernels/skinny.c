@@ -3,23 +3,28 @@
  * Speculative verification multiplies a few rows (1 to a few dozen tree nodes) by every weight matrix, so the
  * step is bounded by reading the weights, not by arithmetic. Generic BLAS kernels are tuned for large M and
  * read such matrices at a fraction of the memory bandwidth. Here W is packed once into panels of 4 rows whose
- * k-blocks of 8 are interleaved, so a panel is one sequential stream (the hardware prefetcher sees a single
- * stream, and a software prefetch runs ahead of it); each panel is read from memory once and stays in L1
- * while every group of 3 x rows is multiplied against it (12 accumulators + 4 weight registers).
+ * k-blocks of 8 are interleaved, so a panel is one sequential stream; each panel is read from memory once and
+ * stays in L1 while every group of 3 x rows is multiplied against it (12 accumulators). With one group the
+ * software prefetch runs a little ahead in the same panel; with several, the first group prefetches a panel
+ * about 12 KB ahead, so that memory keeps streaming while the later groups compute from L1 (otherwise the
+ * two take turns: 17% on 12 rows of the demo's 1024 x 384 matrices, cycled past the cache).
  *
- * Packed layout (K padded to a multiple of 8, N to a multiple of 4, padding zero):
- *   p[((n / 4) * (Kp / 8) + k / 8) * 32 + (n % 4) * 8 + k % 8] = W[n, k]
- * Panels hold float32, or bfloat16 when every weight is a bfloat16 value (a bf16 checkpoint, loaded in
- * either dtype): the kernel widens bf16 to float32 exactly (a 16-bit shift), so the products and sums are
- * the float32 kernel's bit for bit while the weights take half the bytes (and may then fit in the cache).
+ * Packed layout (K padded to a multiple of 8, N to a multiple of 4, padding zero), block = (n/4)*(Kp/8) + k/8:
+ *   float32: p[block * 32 + (n % 4) * 8 + k % 8] = W[n, k]
+ *   bfloat16, when every weight is a bfloat16 value (a bf16 checkpoint, loaded in either dtype):
+ *            p[block * 32 + (n % 4) / 2 * 16 + (k % 8) * 2 + n % 2] = high 16 bits of W[n, k]
+ * so a 256-bit load holds two weight rows' k-block, one in the low and one in the high half of each 32-bit
+ * word, widened exactly by a shift and an AND: the products and sums are the float32 kernel's bit for bit
+ * while the weights take half the bytes (and may then fit in the cache).
  * Summation order: each output is 8 lane-wise partial sums over k (k mod 8), then a fixed horizontal add
- * ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)).
+ * ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)), whatever group its row is in.
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
 
 #define PREFETCH_BLOCKS 16
+#define PREFETCH_AHEAD_BYTES 12288
 
 /* w: float32 [n_rows, k]; p: float32 or (bf16 != 0) uint16 panels. bf16 keeps the high half of each float,
  * which is exact for the weights the caller checked are bfloat16 values. */
@@ -28,23 +33,29 @@ void skinny_pack(const float *w, void *p, long n_rows, long k, long kp, int bf16
     for (long n = 0; n < np; n++)
         for (long j = 0; j < kp; j++) {
             float v = (n < n_rows && j < k) ? w[n * k + j] : 0.0f;
-            long at = ((n / 4) * (kp / 8) + j / 8) * 32 + (n % 4) * 8 + j % 8;
+            long block = ((n / 4) * (kp / 8) + j / 8) * 32;
             if (bf16) {
                 uint32_t bits;
                 memcpy(&bits, &v, 4);
-                ((uint16_t *)p)[at] = (uint16_t)(bits >> 16);
+                ((uint16_t *)p)[block + (n % 4) / 2 * 16 + (j % 8) * 2 + n % 2] = (uint16_t)(bits >> 16);
             } else {
-                ((float *)p)[at] = v;
+                ((float *)p)[block + (n % 4) * 8 + j % 8] = v;
             }
         }
 }
 
-static inline __attribute__((always_inline)) __m256 load_w(const void *p, long at, int bf16) {
+/* The two weight vectors at `at` and `at + 8` of a panel block: float32 panels hold them one after the other;
+ * bf16 panels interleave them, 32-bit word i holding vector 0's value i in its low half and vector 1's in its
+ * high half, so one 256-bit load and two single-cycle operations (a shift, an AND) widen both exactly. */
+static inline __attribute__((always_inline)) void load_w2(const void *p, long at, int bf16, __m256 *v0, __m256 *v1) {
     if (bf16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)p + at));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
+        *v0 = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+        *v1 = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xFFFF0000u)));
+        return;
     }
-    return _mm256_loadu_ps((const float *)p + at);
+    *v0 = _mm256_loadu_ps((const float *)p + at);
+    *v1 = _mm256_loadu_ps((const float *)p + at + 8);
 }
 
 /* y[0..3] = the four accumulators' sums (+ b[n..n+3]) in the header's order, four outputs per pair of
@@ -65,61 +76,60 @@ static inline void store4(float *y, const float *b, long n, long n_rows, __m256 
     for (long j = 0; n + j < n_rows; j++) y[j] = b ? out[j] + b[n + j] : out[j];
 }
 
+/* R (1-3) x rows times one panel (4 weight rows): R x 4 accumulators. The R x vectors of a k-block are loaded
+ * first, then each weight vector (a bf16 pair) is loaded, widened and used R times right away, so no
+ * accumulator spills to the stack (holding all four weight vectors at once needs 17 registers at R = 3). */
+static inline __attribute__((always_inline)) void rows_panel(const float *x, const void *q0, const float *b, float *y,
+                                                             long n, long n_rows, long kp, int bf16, const char *pf,
+                                                             const int R) {
+    long kb_count = kp / 8, size = bf16 ? 2 : 4;
+    __m256 acc[3][4];
+    for (int r = 0; r < R; r++)
+        for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
+    for (long kb = 0; kb < kb_count; kb++) {
+        long at = kb * 32;
+        if (pf) {
+            _mm_prefetch(pf + at * size, _MM_HINT_T0);
+            _mm_prefetch(pf + (at + 16) * size, _MM_HINT_T0);
+        }
+        __m256 u[3];
+        for (int r = 0; r < R; r++) u[r] = _mm256_loadu_ps(x + r * kp + kb * 8);
+        if (bf16) {
+            for (int j = 0; j < 4; j += 2) {
+                __m256 v0, v1;
+                load_w2(q0, at + 8 * j, 1, &v0, &v1);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(u[r], v0, acc[r][j]);
+                for (int r = 0; r < R; r++) acc[r][j + 1] = _mm256_fmadd_ps(u[r], v1, acc[r][j + 1]);
+            }
+        } else {
+            for (int j = 0; j < 4; j++) {
+                __m256 v = _mm256_loadu_ps((const float *)q0 + at + 8 * j);
+                for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(u[r], v, acc[r][j]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++) store4(y + r * n_rows + n, b, n, n_rows, acc[r][0], acc[r][1], acc[r][2], acc[r][3]);
+}
+
 /* One panel (4 weight rows) times every x row: x [m_rows, kp] float32 (K zero padded to kp), writes
- * y[:, n:n+4] (y is [m_rows, n_rows]), adds b[n:n+4] when b is not NULL. */
+ * y[:, n:n+4] (y is [m_rows, n_rows]), adds b[n:n+4] when b is not NULL. Rows go in groups of 3, and a
+ * remainder of 1 is taken as two groups of 2 (a 1-row group does 4 FMAs per 4 weight loads). Every output
+ * is the same sum in the same order whatever its group, so the grouping never changes a bit. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const void *q0, const float *b, float *y,
                                                              long m_rows, long n, long n_rows, long kp, int bf16,
-                                                             int prefetch) {
-    long kb_count = kp / 8, size = bf16 ? 2 : 4;
-    const char *pf = (const char *)q0 + 32 * PREFETCH_BLOCKS * size;
-    long m = 0;
-    for (; m + 3 <= m_rows; m += 3) {
-        const float *x0 = x + m * kp, *x1 = x0 + kp, *x2 = x1 + kp;
-        __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00;
-        __m256 a10 = a00, a11 = a00, a12 = a00, a13 = a00, a20 = a00, a21 = a00, a22 = a00, a23 = a00;
-        for (long kb = 0; kb < kb_count; kb++) {
-            long at = kb * 32;
-            if (prefetch) {
-                _mm_prefetch(pf + at * size, _MM_HINT_T0);
-                _mm_prefetch(pf + (at + 16) * size, _MM_HINT_T0);
-            }
-            __m256 v0 = load_w(q0, at, bf16), v1 = load_w(q0, at + 8, bf16);
-            __m256 v2 = load_w(q0, at + 16, bf16), v3 = load_w(q0, at + 24, bf16);
-            __m256 u = _mm256_loadu_ps(x0 + kb * 8);
-            a00 = _mm256_fmadd_ps(u, v0, a00); a01 = _mm256_fmadd_ps(u, v1, a01);
-            a02 = _mm256_fmadd_ps(u, v2, a02); a03 = _mm256_fmadd_ps(u, v3, a03);
-            u = _mm256_loadu_ps(x1 + kb * 8);
-            a10 = _mm256_fmadd_ps(u, v0, a10); a11 = _mm256_fmadd_ps(u, v1, a11);
-            a12 = _mm256_fmadd_ps(u, v2, a12); a13 = _mm256_fmadd_ps(u, v3, a13);
-            u = _mm256_loadu_ps(x2 + kb * 8);
-            a20 = _mm256_fmadd_ps(u, v0, a20); a21 = _mm256_fmadd_ps(u, v1, a21);
-            a22 = _mm256_fmadd_ps(u, v2, a22); a23 = _mm256_fmadd_ps(u, v3, a23);
-        }
-        store4(y + m * n_rows + n, b, n, n_rows, a00, a01, a02, a03);
-        store4(y + (m + 1) * n_rows + n, b, n, n_rows, a10, a11, a12, a13);
-        store4(y + (m + 2) * n_rows + n, b, n, n_rows, a20, a21, a22, a23);
-    }
-    for (; m < m_rows; m++) {
-        const float *x0 = x + m * kp;
-        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        for (long kb = 0; kb < kb_count; kb++) {
-            long at = kb * 32;
-            if (prefetch) {
-                _mm_prefetch(pf + at * size, _MM_HINT_T0);
-                _mm_prefetch(pf + (at + 16) * size, _MM_HINT_T0);
-            }
-            __m256 u = _mm256_loadu_ps(x0 + kb * 8);
-            a0 = _mm256_fmadd_ps(u, load_w(q0, at, bf16), a0);
-            a1 = _mm256_fmadd_ps(u, load_w(q0, at + 8, bf16), a1);
-            a2 = _mm256_fmadd_ps(u, load_w(q0, at + 16, bf16), a2);
-            a3 = _mm256_fmadd_ps(u, load_w(q0, at + 24, bf16), a3);
-        }
-        store4(y + m * n_rows + n, b, n, n_rows, a0, a1, a2, a3);
-    }
+                                                             const char *next) {
+    long m = 0, threes = m_rows % 3 == 1 && m_rows > 1 ? m_rows / 3 - 1 : m_rows / 3;
+    const char *pf = !next ? NULL : m_rows <= 3 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * (bf16 ? 2 : 4) : next;
+    for (long g = 0; g < threes; g++, m += 3, pf = NULL)
+        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, 3);
+    for (; m + 2 <= m_rows; m += 2, pf = NULL)
+        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, 2);
+    if (m < m_rows)
+        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, 1);
 }
 
 #define WIDEN_MAX_KP 16384
-#define WIDEN_MIN_ROWS 10
+#define WIDEN_MIN_ROWS 20
 
 /* x: [m_rows, kp] float32 row-major (K zero padded to kp), y: [m_rows, n_rows], b: [n_rows] or NULL.
  * A bf16 panel multiplied by WIDEN_MIN_ROWS rows or more is first widened into a float32 scratch that stays
@@ -129,19 +139,24 @@ void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m
     long panel_values = kp / 8 * 32;
     int widen = bf16 && m_rows >= WIDEN_MIN_ROWS && kp <= WIDEN_MAX_KP;
     float scratch[widen ? panel_values : 1] __attribute__((aligned(32)));
+    long size = bf16 ? 2 : 4, ahead = (PREFETCH_AHEAD_BYTES + panel_values * size - 1) / (panel_values * size);
     for (long n = 0; n < n_rows; n += 4) {
         long start = (n / 4) * panel_values;
+        const char *next = (const char *)p + (start + ahead * panel_values) * size;
         if (!bf16) {
-            panel_rows(x, (const float *)p + start, b, y, m_rows, n, n_rows, kp, 0, 1);
+            panel_rows(x, (const float *)p + start, b, y, m_rows, n, n_rows, kp, 0, next);
         } else if (widen) {
             const uint16_t *q = (const uint16_t *)p + start;
-            for (long i = 0; i < panel_values; i += 8) {
-                _mm_prefetch((const char *)(q + i + 32 * PREFETCH_BLOCKS), _MM_HINT_T0);
-                _mm256_store_ps(scratch + i, load_w(q, i, 1));
+            for (long i = 0; i < panel_values; i += 16) {
+                __m256 v0, v1;
+                _mm_prefetch(next + i * 2, _MM_HINT_T0);
+                load_w2(q, i, 1, &v0, &v1);
+                _mm256_store_ps(scratch + i, v0);
+                _mm256_store_ps(scratch + i + 8, v1);
             }
-            panel_rows(x, scratch, b, y, m_rows, n, n_rows, kp, 0, 0);
+            panel_rows(x, scratch, b, y, m_rows, n, n_rows, kp, 0, NULL);
         } else {
-            panel_rows(x, (const uint16_t *)p + start, b, y, m_rows, n, n_rows, kp, 1, 1);
+            panel_rows(x, (const uint16_t *)p + start, b, y, m_rows, n, n_rows, kp, 1, next);
         }
     }
 }

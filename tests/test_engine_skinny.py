@@ -45,12 +45,25 @@ def test_bfloat16_panels_give_the_float32_kernels_bits():
     x, b = torch.randn(40, 96, generator=g), torch.randn(37, generator=g)
     half, full = skinny.SkinnyWeight(w, b), skinny.SkinnyWeight(w, b, bits=32)
     assert (half.bits, full.bits) == (16, 32) and half.packed.element_size() == 2
-    for rows in (1, 2, 3, 4, 11, 40):  # 10 rows and more widen each bf16 panel once into a float32 scratch
+    for rows in (1, 2, 3, 4, 5, 7, 11, 16, 40):  # from 20 rows each bf16 panel is widened once into a scratch
         assert torch.equal(half(x[:rows]), full(x[:rows]))
     assert skinny.SkinnyWeight(w.bfloat16()).bits == 16
     assert skinny.SkinnyWeight(torch.randn(8, 8, generator=g)).bits == 32
     with pytest.raises(ValueError, match="16 .bfloat16 values only."):
         skinny.SkinnyWeight(torch.randn(8, 8, generator=g), bits=16)
+
+
+@needs_kernel
+def test_a_rows_output_does_not_depend_on_the_other_rows():
+    """Rows are multiplied in groups of 3 or 2 (or 1), widened in registers or from a scratch by row count: each
+    output is still the same sum in the same order, bit for bit, as the row multiplied alone."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(45, 200, generator=g)
+    x = torch.randn(26, 200, generator=g)
+    for weight in (skinny.SkinnyWeight(w.bfloat16().float()), skinny.SkinnyWeight(w)):
+        alone = torch.cat([weight(x[i:i + 1]) for i in range(len(x))])
+        for rows in range(2, len(x) + 1):
+            assert torch.equal(weight(x[:rows]), alone[:rows]), rows
 
 
 @needs_kernel
