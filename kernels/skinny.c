@@ -5,9 +5,9 @@
  * read such matrices at a fraction of the memory bandwidth. Here W is packed once into panels of 4 rows whose
  * k-blocks of 8 are interleaved, so a panel is one sequential stream; each panel is read from memory once and
  * stays in L1 while every group of 3 x rows is multiplied against it (12 accumulators). With one group the
- * software prefetch runs a little ahead in the same panel; with several, the first group prefetches a panel
- * about 12 KB ahead, so that memory keeps streaming while the later groups compute from L1 (otherwise the
- * two take turns: 17% on 12 rows of the demo's 1024 x 384 matrices, cycled past the cache).
+ * software prefetch runs a little ahead in the same panel; with several, the groups share the prefetch of a
+ * panel about 12 KB ahead, each its slice, so that memory keeps streaming at an even rate while they compute
+ * from L1 (otherwise the two take turns: 20-30% on 12 rows of the demo's matrices, cycled past the cache).
  *
  * Packed layout (K padded to a multiple of 8, N to a multiple of 4, padding zero), block = (n/4)*(Kp/8) + k/8:
  *   float32: p[block * 32 + (n % 4) * 8 + k % 8] = W[n, k]
@@ -81,16 +81,16 @@ static inline void store4(float *y, const float *b, long n, long n_rows, __m256 
  * accumulator spills to the stack (holding all four weight vectors at once needs 17 registers at R = 3). */
 static inline __attribute__((always_inline)) void rows_panel(const float *x, const void *q0, const float *b, float *y,
                                                              long n, long n_rows, long kp, int bf16, const char *pf,
-                                                             const int R) {
-    long kb_count = kp / 8, size = bf16 ? 2 : 4;
+                                                             long pf_step, const int R) {
+    long kb_count = kp / 8;
     __m256 acc[3][4];
     for (int r = 0; r < R; r++)
         for (int j = 0; j < 4; j++) acc[r][j] = _mm256_setzero_ps();
     for (long kb = 0; kb < kb_count; kb++) {
         long at = kb * 32;
         if (pf) {
-            _mm_prefetch(pf + at * size, _MM_HINT_T0);
-            _mm_prefetch(pf + (at + 16) * size, _MM_HINT_T0);
+            _mm_prefetch(pf + kb * pf_step, _MM_HINT_T0);
+            if (pf_step > 64) _mm_prefetch(pf + kb * pf_step + 64, _MM_HINT_T0);
         }
         __m256 u[3];
         for (int r = 0; r < R; r++) u[r] = _mm256_loadu_ps(x + r * kp + kb * 8);
@@ -114,18 +114,22 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, con
 /* One panel (4 weight rows) times every x row: x [m_rows, kp] float32 (K zero padded to kp), writes
  * y[:, n:n+4] (y is [m_rows, n_rows]), adds b[n:n+4] when b is not NULL. Rows go in groups of 3, and a
  * remainder of 1 is taken as two groups of 2 (a 1-row group does 4 FMAs per 4 weight loads). Every output
- * is the same sum in the same order whatever its group, so the grouping never changes a bit. */
+ * is the same sum in the same order whatever its group, so the grouping never changes a bit.
+ * Prefetch: a single group runs PREFETCH_BLOCKS ahead in its own panel; several groups share the prefetch
+ * of the panel at `next`, each taking its slice, so memory streams at an even rate while they compute. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const void *q0, const float *b, float *y,
                                                              long m_rows, long n, long n_rows, long kp, int bf16,
                                                              const char *next) {
     long m = 0, threes = m_rows % 3 == 1 && m_rows > 1 ? m_rows / 3 - 1 : m_rows / 3;
-    const char *pf = !next ? NULL : m_rows <= 3 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * (bf16 ? 2 : 4) : next;
-    for (long g = 0; g < threes; g++, m += 3, pf = NULL)
-        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, 3);
-    for (; m + 2 <= m_rows; m += 2, pf = NULL)
-        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, 2);
+    long size = bf16 ? 2 : 4, groups = threes + (m_rows - 3 * threes + 1) / 2, block = 32 * size;
+    long kb_count = kp / 8, step = groups > 1 ? block / groups : block;
+    const char *pf = !next ? NULL : groups == 1 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * size : next;
+    for (long g = 0; g < threes; g++, m += 3, pf = pf ? pf + kb_count * step : NULL)
+        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, step, 3);
+    for (; m + 2 <= m_rows; m += 2, pf = pf ? pf + kb_count * step : NULL)
+        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, step, 2);
     if (m < m_rows)
-        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, 1);
+        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, step, 1);
 }
 
 #define WIDEN_MAX_KP 16384
