@@ -44,18 +44,13 @@ void skinny_pack(const float *w, void *p, long n_rows, long k, long kp, int bf16
         }
 }
 
-/* The two weight vectors at `at` and `at + 8` of a panel block: float32 panels hold them one after the other;
- * bf16 panels interleave them, 32-bit word i holding vector 0's value i in its low half and vector 1's in its
- * high half, so one 256-bit load and two single-cycle operations (a shift, an AND) widen both exactly. */
-static inline __attribute__((always_inline)) void load_w2(const void *p, long at, int bf16, __m256 *v0, __m256 *v1) {
-    if (bf16) {
-        __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)p + at));
-        *v0 = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
-        *v1 = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xFFFF0000u)));
-        return;
-    }
-    *v0 = _mm256_loadu_ps((const float *)p + at);
-    *v1 = _mm256_loadu_ps((const float *)p + at + 8);
+/* The two weight vectors at `at` and `at + 8` of a bf16 panel block: 32-bit word i holds vector 0's value i in
+ * its low half and vector 1's in its high half, so one 256-bit load and two single-cycle operations (a shift,
+ * an AND) widen both exactly. */
+static inline __attribute__((always_inline)) void widen2(const uint16_t *p, long at, __m256 *v0, __m256 *v1) {
+    __m256i h = _mm256_loadu_si256((const __m256i *)(p + at));
+    *v0 = _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+    *v1 = _mm256_castsi256_ps(_mm256_and_si256(h, _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
 /* y[0..3] = the four accumulators' sums (+ b[n..n+3]) in the header's order, four outputs per pair of
@@ -97,7 +92,7 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, con
         if (bf16) {
             for (int j = 0; j < 4; j += 2) {
                 __m256 v0, v1;
-                load_w2(q0, at + 8 * j, 1, &v0, &v1);
+                widen2((const uint16_t *)q0, at + 8 * j, &v0, &v1);
                 for (int r = 0; r < R; r++) acc[r][j] = _mm256_fmadd_ps(u[r], v0, acc[r][j]);
                 for (int r = 0; r < R; r++) acc[r][j + 1] = _mm256_fmadd_ps(u[r], v1, acc[r][j + 1]);
             }
@@ -154,7 +149,7 @@ void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m
             for (long i = 0; i < panel_values; i += 16) {
                 __m256 v0, v1;
                 _mm_prefetch(next + i * 2, _MM_HINT_T0);
-                load_w2(q, i, 1, &v0, &v1);
+                widen2(q, i, &v0, &v1);
                 _mm256_store_ps(scratch + i, v0);
                 _mm256_store_ps(scratch + i + 8, v1);
             }
