@@ -111,12 +111,13 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, con
  * remainder of 1 is taken as two groups of 2 (a 1-row group does 4 FMAs per 4 weight loads). Every output
  * is the same sum in the same order whatever its group, so the grouping never changes a bit.
  * Prefetch: a single group runs PREFETCH_BLOCKS ahead in its own panel; several groups share the prefetch
- * of the panel at `next`, each taking its slice, so memory streams at an even rate while they compute. */
+ * of the panel at `next` (next_size bytes per value), each taking its slice, so memory streams at an even
+ * rate while they compute. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const void *q0, const float *b, float *y,
                                                              long m_rows, long n, long n_rows, long kp, int bf16,
-                                                             const char *next) {
+                                                             const char *next, long next_size) {
     long m = 0, threes = m_rows % 3 == 1 && m_rows > 1 ? m_rows / 3 - 1 : m_rows / 3;
-    long size = bf16 ? 2 : 4, groups = threes + (m_rows - 3 * threes + 1) / 2, block = 32 * size;
+    long size = bf16 ? 2 : 4, groups = threes + (m_rows - 3 * threes + 1) / 2, block = 32 * next_size;
     long kb_count = kp / 8, step = groups > 1 ? block / groups : block;
     const char *pf = !next ? NULL : groups == 1 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * size : next;
     for (long g = 0; g < threes; g++, m += 3, pf = pf ? pf + kb_count * step : NULL)
@@ -143,19 +144,18 @@ void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m
         long start = (n / 4) * panel_values;
         const char *next = (const char *)p + (start + ahead * panel_values) * size;
         if (!bf16) {
-            panel_rows(x, (const float *)p + start, b, y, m_rows, n, n_rows, kp, 0, next);
+            panel_rows(x, (const float *)p + start, b, y, m_rows, n, n_rows, kp, 0, next, 4);
         } else if (widen) {
             const uint16_t *q = (const uint16_t *)p + start;
             for (long i = 0; i < panel_values; i += 16) {
                 __m256 v0, v1;
-                _mm_prefetch(next + i * 2, _MM_HINT_T0);
                 widen2(q, i, &v0, &v1);
                 _mm256_store_ps(scratch + i, v0);
                 _mm256_store_ps(scratch + i + 8, v1);
             }
-            panel_rows(x, scratch, b, y, m_rows, n, n_rows, kp, 0, NULL);
+            panel_rows(x, scratch, b, y, m_rows, n, n_rows, kp, 0, next, 2);
         } else {
-            panel_rows(x, (const uint16_t *)p + start, b, y, m_rows, n, n_rows, kp, 1, next);
+            panel_rows(x, (const uint16_t *)p + start, b, y, m_rows, n, n_rows, kp, 1, next, 2);
         }
     }
 }
