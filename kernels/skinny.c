@@ -25,6 +25,7 @@
 
 #define PREFETCH_BLOCKS 16
 #define PREFETCH_AHEAD_BYTES 12288
+#define PREFETCH_SHARERS 4
 
 /* w: float32 [n_rows, k]; p: float32 or (bf16 != 0) uint16 panels. bf16 keeps the high half of each float,
  * which is exact for the weights the caller checked are bfloat16 values. */
@@ -110,22 +111,29 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, con
  * y[:, n:n+4] (y is [m_rows, n_rows]), adds b[n:n+4] when b is not NULL. Rows go in groups of 3, and a
  * remainder of 1 is taken as two groups of 2 (a 1-row group does 4 FMAs per 4 weight loads). Every output
  * is the same sum in the same order whatever its group, so the grouping never changes a bit.
- * Prefetch: a single group runs PREFETCH_BLOCKS ahead in its own panel; several groups share the prefetch
- * of the panel at `next` (next_size bytes per value), each taking its slice, so memory streams at an even
- * rate while they compute. */
+ * Prefetch: a single group runs PREFETCH_BLOCKS ahead in its own panel; with several, the first
+ * PREFETCH_SHARERS groups share the prefetch of the panel at `next` (next_size bytes per value), each taking
+ * its slice, so memory streams at an even rate while they compute. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const void *q0, const float *b, float *y,
                                                              long m_rows, long n, long n_rows, long kp, int bf16,
                                                              const char *next, long next_size) {
-    long m = 0, threes = m_rows % 3 == 1 && m_rows > 1 ? m_rows / 3 - 1 : m_rows / 3;
-    long size = bf16 ? 2 : 4, groups = threes + (m_rows - 3 * threes + 1) / 2, block = 32 * next_size;
-    long kb_count = kp / 8, step = groups > 1 ? block / groups : block;
-    const char *pf = !next ? NULL : groups == 1 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * size : next;
-    for (long g = 0; g < threes; g++, m += 3, pf = pf ? pf + kb_count * step : NULL)
-        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, step, 3);
-    for (; m + 2 <= m_rows; m += 2, pf = pf ? pf + kb_count * step : NULL)
-        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, step, 2);
-    if (m < m_rows)
-        rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, pf, step, 1);
+    long threes = m_rows % 3 == 1 && m_rows > 1 ? m_rows / 3 - 1 : m_rows / 3;
+    long groups = threes + (m_rows - 3 * threes + 1) / 2, kb_count = kp / 8;
+    long share = groups < PREFETCH_SHARERS ? groups : PREFETCH_SHARERS, step = 32 * next_size / share;
+    const char *pf = !next ? NULL : groups == 1 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * (bf16 ? 2 : 4) : next;
+    for (long g = 0, m = 0; m < m_rows; g++) {
+        const char *slice = pf && g < share ? pf + g * kb_count * step : NULL;
+        if (g < threes) {
+            rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, slice, step, 3);
+            m += 3;
+        } else if (m + 2 <= m_rows) {
+            rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, slice, step, 2);
+            m += 2;
+        } else {
+            rows_panel(x + m * kp, q0, b, y + m * n_rows, n, n_rows, kp, bf16, slice, step, 1);
+            m += 1;
+        }
+    }
 }
 
 #define WIDEN_MAX_KP 16384
