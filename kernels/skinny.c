@@ -144,6 +144,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
  * in L1, so the widening is paid once per panel, not once per group of 3 rows (same values, same order);
  * below that, widening in registers while streaming is faster (measured). */
 void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m_rows, long n_rows, long kp, int bf16) {
+    if (m_rows <= 0 || n_rows <= 0) return;
     long panel_values = kp / 8 * 32;
     int widen = bf16 && m_rows >= WIDEN_MIN_ROWS && kp <= WIDEN_MAX_KP;
     float scratch[widen ? panel_values : 1] __attribute__((aligned(32)));

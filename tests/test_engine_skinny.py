@@ -64,6 +64,7 @@ def test_a_rows_output_does_not_depend_on_the_other_rows():
         alone = torch.cat([weight(x[i:i + 1]) for i in range(len(x))])
         for rows in range(2, len(x) + 1):
             assert torch.equal(weight(x[:rows]), alone[:rows]), rows
+        assert weight(x[:0]).shape == (0, 45)
 
 
 @needs_kernel
