@@ -148,7 +148,7 @@ void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m
     long panel_values = kp / 8 * 32;
     int widen = bf16 && m_rows >= WIDEN_MIN_ROWS && kp <= WIDEN_MAX_KP;
     float scratch[widen ? panel_values : 1] __attribute__((aligned(32)));
-    long size = bf16 ? 2 : 4, ahead = (PREFETCH_AHEAD_BYTES + panel_values * size - 1) / (panel_values * size);
+    long size = bf16 ? 2 : 4, ahead = panel_values ? (PREFETCH_AHEAD_BYTES - 1) / (panel_values * size) + 1 : 0;
     for (long n = 0; n < n_rows; n += 4) {
         long start = (n / 4) * panel_values;
         const char *next = (const char *)p + (start + ahead * panel_values) * size;
