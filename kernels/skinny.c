@@ -5,8 +5,8 @@
  * read such matrices at a fraction of the memory bandwidth. Here W is packed once into panels of 4 rows whose
  * k-blocks of 8 are interleaved, so a panel is one sequential stream; each panel is read from memory once and
  * stays in L1 while every group of 3 x rows is multiplied against it (12 accumulators). With one group the
- * software prefetch runs a little ahead in the same panel; with several, the groups share the prefetch of a
- * panel about 12 KB ahead, each its slice, so that memory keeps streaming at an even rate while they compute
+ * software prefetch runs a little ahead in the same panel; with several, the groups share the prefetch of the
+ * first panel at least 12 KB ahead, each its slice, so that memory keeps streaming at an even rate while they compute
  * from L1 (otherwise the two take turns: 20-30% on 12 rows of the demo's matrices, cycled past the cache).
  *
  * Packed layout (K padded to a multiple of 8, N to a multiple of 4, padding zero), block = (n/4)*(Kp/8) + k/8:
@@ -111,15 +111,16 @@ static inline __attribute__((always_inline)) void rows_panel(const float *x, con
  * y[:, n:n+4] (y is [m_rows, n_rows]), adds b[n:n+4] when b is not NULL. Rows go in groups of 3, and a
  * remainder of 1 is taken as two groups of 2 (a 1-row group does 4 FMAs per 4 weight loads). Every output
  * is the same sum in the same order whatever its group, so the grouping never changes a bit.
- * Prefetch: a single group runs PREFETCH_BLOCKS ahead in its own panel; with several, the first
- * PREFETCH_SHARERS groups share the prefetch of the panel at `next` (next_size bytes per value), each taking
- * its slice, so memory streams at an even rate while they compute. */
+ * Prefetch: a single group runs PREFETCH_BLOCKS ahead in its own panel (q0's stream; the widen-once path
+ * never has a single group); with several, the first PREFETCH_SHARERS groups share the prefetch of the panel
+ * at `next` (next_size bytes per value), each taking its slice (rounded up, so the slices cover the panel),
+ * so memory streams at an even rate while they compute. */
 static inline __attribute__((always_inline)) void panel_rows(const float *x, const void *q0, const float *b, float *y,
                                                              long m_rows, long n, long n_rows, long kp, int bf16,
                                                              const char *next, long next_size) {
     long threes = m_rows % 3 == 1 && m_rows > 1 ? m_rows / 3 - 1 : m_rows / 3;
     long groups = threes + (m_rows - 3 * threes + 1) / 2, kb_count = kp / 8;
-    long share = groups < PREFETCH_SHARERS ? groups : PREFETCH_SHARERS, step = 32 * next_size / share;
+    long share = groups < PREFETCH_SHARERS ? groups : PREFETCH_SHARERS, step = (32 * next_size + share - 1) / share;
     const char *pf = !next ? NULL : groups == 1 ? (const char *)q0 + 32 * PREFETCH_BLOCKS * (bf16 ? 2 : 4) : next;
     for (long g = 0, m = 0; m < m_rows; g++) {
         const char *slice = pf && g < share ? pf + g * kb_count * step : NULL;
@@ -146,7 +147,7 @@ static inline __attribute__((always_inline)) void panel_rows(const float *x, con
 void skinny_gemm(const float *x, const void *p, const float *b, float *y, long m_rows, long n_rows, long kp, int bf16) {
     if (m_rows <= 0 || n_rows <= 0) return;
     long panel_values = kp / 8 * 32;
-    int widen = bf16 && m_rows >= WIDEN_MIN_ROWS && kp <= WIDEN_MAX_KP;
+    int widen = bf16 && m_rows >= WIDEN_MIN_ROWS && kp > 0 && kp <= WIDEN_MAX_KP;
     float scratch[widen ? panel_values : 1] __attribute__((aligned(32)));
     long size = bf16 ? 2 : 4, ahead = panel_values ? (PREFETCH_AHEAD_BYTES - 1) / (panel_values * size) + 1 : 0;
     for (long n = 0; n < n_rows; n += 4) {
