@@ -39,9 +39,13 @@ def random_tree(batch: int, width: int, seed: int) -> tuple[torch.Tensor, torch.
     return depths, anc
 
 
-@pytest.mark.parametrize("arch", ["llama2", "qwen2", "qwen3", "mistral"])
-def test_fused_logits_and_cache_match_the_torch_path(tmp_path, arch, one_thread):
-    tiny_models.build(tmp_path, arch, layers=2, init=0.1, seed=7, heads=6, kv_heads=2, hidden=96)
+@pytest.mark.parametrize("arch,heads,extra", [
+    ("llama2", 6, {}), ("qwen2", 6, {}), ("qwen3", 6, {}), ("mistral", 6, {}),
+    ("llama2", 4, {"head_dim": 64}),  # value blocks of 1, 2 and 3 queries over 32 columns
+    ("qwen3", 6, {"head_dim": 40}),   # one 32-column value block and a scalar tail
+])
+def test_fused_logits_and_cache_match_the_torch_path(tmp_path, arch, heads, extra, one_thread):
+    tiny_models.build(tmp_path, arch, layers=2, init=0.1, seed=7, heads=heads, kv_heads=2, hidden=96, **extra)
     model = Engine.load(tmp_path).target
     torch_path, fused = linear_transformer(model, "skinny"), linear_transformer(model, "fused")
     assert isinstance(fused, FusedTransformer) and not isinstance(torch_path, FusedTransformer)
