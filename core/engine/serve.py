@@ -20,6 +20,7 @@ grow keeps wide steps from looking cheaper than they are.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -67,30 +68,46 @@ class CostTable:
 
 def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes: list[int], max_depth: int = MAX_DEPTH,
                   context: int = 128, repeats: int = 5) -> CostTable:
-    """Time forwards at every (batch size, 1..max_depth+1 tokens) so policies can price a step."""
+    """Time forwards at every (batch size, 1..max_depth+1 tokens) so policies can price a step.
+
+    The token counts of a batch size are timed in interleaved rounds (median per count): a policy compares
+    depths by their ratio, and on a shared machine a slow spell that fell on one count's samples alone once
+    priced 2 tokens per row at 2.4x one token (1.5x measured interleaved), so batch 16 never speculated."""
     table = CostTable()
 
-    def timed(model: Transformer, rows: int, tokens: int) -> float:
-        cache = model.new_cache(rows, context + tokens + 1)
-        cache.lengths.fill_(context)
+    def timed(model: Transformer, cache, rows: int, tokens: int) -> float:
         toks = torch.zeros(rows, tokens, dtype=torch.long, device=model.device)
         depths = torch.arange(tokens, device=model.device).expand(rows, tokens)
         anc = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=model.device)).expand(rows, tokens, tokens)
-        samples = []
         with torch.inference_mode():
-            for _ in range(repeats + 1):
-                _sync(model.device)
-                t0 = time.perf_counter()
-                model.step(toks, cache, cache.lengths, depths, anc)
-                _sync(model.device)
-                samples.append(time.perf_counter() - t0)
-        return sorted(samples[1:])[len(samples[1:]) // 2] * 1e3
+            _sync(model.device)
+            t0 = time.perf_counter()
+            model.step(toks, cache, cache.lengths, depths, anc)
+            _sync(model.device)
+        return (time.perf_counter() - t0) * 1e3
 
+    counts = range(1, max_depth + 2)
     for rows in batch_sizes:
-        for tokens in range(1, max_depth + 2):
-            table.verify[(rows, tokens)] = timed(target, rows, tokens)
-        if drafter is not None:
-            table.draft[rows] = timed(drafter, rows, 1)
+        cache = target.new_cache(rows, context + max_depth + 2)
+        cache.lengths.fill_(context)
+        small = None if drafter is None else drafter.new_cache(rows, context + 2)
+        if small is not None:
+            small.lengths.fill_(context)
+        samples: dict[int, list[float]] = {t: [] for t in counts}
+        drafts: list[float] = []
+        for round_ in range(repeats + 1):  # round 0 warms up
+            for tokens in counts:
+                ms = timed(target, cache, rows, tokens)
+                if round_:
+                    samples[tokens].append(ms)
+            if small is not None:
+                ms = timed(drafter, small, rows, 1)
+                if round_:
+                    drafts.append(ms)
+        for tokens, ms in samples.items():
+            table.verify[(rows, tokens)] = statistics.median(ms)
+        if drafts:
+            table.draft[rows] = statistics.median(drafts)
     return table
 
 
