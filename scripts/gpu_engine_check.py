@@ -27,14 +27,15 @@ import torch  # noqa: E402
 from core import bench  # noqa: E402
 from core.batchbench import run_batched  # noqa: E402
 from core.deployment import Deployment  # noqa: E402
-from core.recipe import BatchingSection, builtin  # noqa: E402
+from core.recipe import BatchingSection, RecipeError, builtin  # noqa: E402
 
 
 def recipes(policies: tuple[str, ...] = ("budget",)) -> list:
     """Stock and the n-gram tree under the fixed (stock) policy; stock under the budget policy and the n-gram
     tree under each of `policies`."""
     def under(name: str, policy: str):
-        return dataclasses.replace(builtin(name), name=f"{name}-{policy}", batching=BatchingSection(policy=policy))
+        recipe = dataclasses.replace(builtin(name), name=f"{name}-{policy}", batching=BatchingSection(policy=policy))
+        return recipe.validate()
     return [builtin("stock"), under("stock", "budget"), builtin("ngram-tree"),
             *(under("ngram-tree", p) for p in policies)]
 
@@ -44,16 +45,31 @@ def single() -> list:
     return [builtin("stock"), builtin("ngram-tree")]
 
 
+def batch_sizes(text: str) -> list[int]:
+    """`--batch-sizes 1,4,16`: positive integers, or a one-line usage error."""
+    try:
+        sizes = [int(b) for b in text.split(",")]
+    except ValueError:
+        sizes = []
+    if not sizes or min(sizes) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of positive integers, e.g. 1,4,16")
+    return sizes
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out", type=Path)
     ap.add_argument("--requests", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--batch-sizes", default="1,4,8,16,32")
+    ap.add_argument("--batch-sizes", type=batch_sizes, default="1,4,8,16,32")
     ap.add_argument("--policies", default="budget", help="batching policies for the n-gram tree (budget,allocate,cap)")
     ap.add_argument("--no-lossless", action="store_true", help="skip the single-request run against transformers")
     ap.add_argument("--device", default="cuda", help="cpu runs the same flow here (to check the script)")
     args = ap.parse_args()
+    try:
+        systems = recipes(tuple(args.policies.split(",")))
+    except RecipeError as e:
+        ap.error(str(e))
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: skipping the engine GPU check")
         return 0
@@ -62,7 +78,6 @@ def main() -> int:
     deployment.apply_threads()
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device: {name}, torch {torch.__version__}", flush=True)
-    sizes = [int(b) for b in args.batch_sizes.split(",")]
     try:
         t = time.perf_counter()
         run_batched(deployment, recipes(), [1, 2], max_requests=2, max_new_tokens=8, repeats=1, progress=False)
@@ -72,7 +87,7 @@ def main() -> int:
         traceback.print_exc()
         return 1
     t = time.perf_counter()
-    batched = run_batched(deployment, recipes(args.policies.split(",")), sizes, max_requests=args.requests,
+    batched = run_batched(deployment, systems, args.batch_sizes, max_requests=args.requests,
                           repeats=args.repeats, progress=False)
     (args.out / "batched.json").write_text(json.dumps(batched, indent=2))
     print(f"batched ({time.perf_counter() - t:.0f} s):\n{bench.table(batched)}", flush=True)

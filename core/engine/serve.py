@@ -29,7 +29,7 @@ import torch
 from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _accept, _sync,
                                 commit_paths, verify)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
-from core.engine.model import Transformer
+from core.engine.model import KVCache, Transformer
 from core.engine.tree import DraftTree, chain_paths
 
 MAX_DEPTH = 8
@@ -75,7 +75,7 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
     priced 2 tokens per row at 2.4x one token (1.5x measured interleaved), so batch 16 never speculated."""
     table = CostTable()
 
-    def timed(model: Transformer, cache, rows: int, tokens: int) -> float:
+    def timed(model: Transformer, cache: KVCache, rows: int, tokens: int) -> float:
         toks = torch.zeros(rows, tokens, dtype=torch.long, device=model.device)
         depths = torch.arange(tokens, device=model.device).expand(rows, tokens)
         anc = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=model.device)).expand(rows, tokens, tokens)
