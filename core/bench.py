@@ -21,7 +21,8 @@ from core.engine import Engine
 from core.recipe import Recipe
 from core.workload import Request, encode, load, split
 
-HF_SYSTEMS = ("hf-ar", "hf-assisted", "hf-lookup")
+HF_SYSTEMS = ("hf-ar", "hf-assisted", "hf-assisted-tuned", "hf-lookup")
+ASSISTANT_TOKENS = 4  # hf-assisted-tuned: a constant draft of 4 (stock's depth) with no confidence cut-off
 
 
 @dataclass
@@ -53,22 +54,37 @@ class HFSystems:
     """transformers baselines on the same checkpoints and dtype (the stock reference implementation)."""
 
     def __init__(self, deployment: Deployment) -> None:
-        from transformers import AutoModelForCausalLM
+        from core.hf import hf_model
 
-        dtype = getattr(torch, deployment.dtype)
-        self.target = AutoModelForCausalLM.from_pretrained(deployment.target, dtype=dtype).to(deployment.device).eval()
+        self.target = hf_model(deployment.target, deployment.dtype, deployment.device)
         self.drafter = None
         if deployment.drafter:
-            self.drafter = AutoModelForCausalLM.from_pretrained(deployment.drafter, dtype=dtype).to(deployment.device).eval()
+            self.drafter = hf_model(deployment.drafter, deployment.dtype, deployment.device)
         eos = self.target.generation_config.eos_token_id
         self.pad = eos if isinstance(eos, int) else (eos[0] if eos else 0)
+
+    def _tuned(self, inputs: torch.Tensor, kwargs: dict, prompt_len: int) -> list[int]:
+        """Assisted generation with num_assistant_tokens set on the assistant's generation_config (HF's own
+        knob: its default schedule starts at 20 and adapts, with a 0.4 confidence cut-off)."""
+        gen = self.drafter.generation_config
+        saved = (gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold)
+        gen.num_assistant_tokens, gen.num_assistant_tokens_schedule = ASSISTANT_TOKENS, "constant"
+        gen.assistant_confidence_threshold = 0.0
+        try:
+            with torch.inference_mode():
+                out = self.target.generate(inputs, **kwargs)
+        finally:
+            gen.num_assistant_tokens, gen.num_assistant_tokens_schedule, gen.assistant_confidence_threshold = saved
+        return out[0, prompt_len:].tolist()
 
     def run(self, name: str, ids: list[int], max_new: int) -> list[int]:
         inputs = torch.tensor([ids], device=self.target.device)
         kwargs = {"max_new_tokens": max_new, "do_sample": False, "pad_token_id": self.pad,
                   "attention_mask": torch.ones_like(inputs)}
-        if name == "hf-assisted":
+        if name in ("hf-assisted", "hf-assisted-tuned"):
             kwargs["assistant_model"] = self.drafter
+        if name == "hf-assisted-tuned":
+            return self._tuned(inputs, kwargs, len(ids))
         elif name == "hf-lookup":
             kwargs["prompt_lookup_num_tokens"] = 10
         with torch.inference_mode():
@@ -89,9 +105,12 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
     limits = {r.id: max_new_tokens or r.max_new_tokens for r in requests}
     engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
     runners: dict[str, Callable[[Request], tuple[list[int], float, list[int]]]] = {}
+    notes: list[str] = []
     if hf:
         hf_systems = HFSystems(deployment)
-        names = [n for n in HF_SYSTEMS if n != "hf-assisted" or hf_systems.drafter is not None]
+        names = [n for n in HF_SYSTEMS if not n.startswith("hf-assisted") or hf_systems.drafter is not None]
+        if hf_systems.drafter is None:
+            notes.append("hf-assisted skipped: the deployment has no drafter model (--drafter none)")
         for name in names:
             runners[name] = _hf_runner(hf_systems, name, prompts, limits, deployment.device)
     runners["ar"] = _our_runner(engine, None, prompts, limits)
@@ -124,6 +143,7 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
         "repeats": repeats,
         "reference": "hf-ar" if "hf-ar" in results else "ar",
         "results": [results[name].to_dict(reference) for name in runners],
+        "notes": notes,
     }
 
 
@@ -163,11 +183,12 @@ def table(summary: dict) -> str:
                          f"{r['speedup_vs_ar']:>14.2f}x{same:>14}{acc:>8}{r['mismatched_requests']!s:>10}")
         return "\n".join(lines)
     base = next((r["tokens_per_s"] for r in rows if r["name"] == summary["reference"]), None)
-    lines = [f"{'system':<16}{'tok/s':>9}{'min':>9}{'max':>9}{'vs ' + summary['reference']:>10}{'accept':>8}"
+    lines = [f"{'system':<18}{'tok/s':>9}{'min':>9}{'max':>9}{'vs ' + summary['reference']:>10}{'accept':>8}"
              f"{'mismatch':>10}"]
     for r in rows:
         speed = f"{r['tokens_per_s'] / base:.2f}x" if base else "-"
         acc = f"{r['mean_accepted_length']:.2f}" if r["mean_accepted_length"] is not None else "-"
-        lines.append(f"{r['name']:<16}{r['tokens_per_s']:>9.1f}{r['tokens_per_s_min']:>9.1f}"
+        lines.append(f"{r['name']:<18}{r['tokens_per_s']:>9.1f}{r['tokens_per_s_min']:>9.1f}"
                      f"{r['tokens_per_s_max']:>9.1f}{speed:>10}{acc:>8}{r['mismatched_requests']!s:>10}")
+    lines += [f"note: {n}" for n in summary.get("notes", [])]
     return "\n".join(lines)

@@ -13,8 +13,9 @@ from core.recipe import RecipeError
 
 def deployment_options(p: argparse.ArgumentParser) -> None:
     """Options naming a deployment; anything left out is the shipped demo."""
-    p.add_argument("--target", help="target checkpoint directory (default: models/demo-target)")
-    p.add_argument("--drafter", help="drafter checkpoint directory (default: models/demo-drafter)")
+    p.add_argument("--target", help="target checkpoint: a directory or a .gguf file (default: models/demo-target)")
+    p.add_argument("--drafter", help="drafter checkpoint (directory or .gguf), or `none` for a deployment with no "
+                                     "drafter model (default: models/demo-drafter)")
     p.add_argument("--workload", help="JSONL request set (default: workloads/code.jsonl)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
@@ -39,10 +40,39 @@ def db_path(args: argparse.Namespace) -> str:
     return args.db or os.environ.get("SPECPILOT_DB") or "store.db"
 
 
-def _recipes(spec: str | None) -> list:
+def _recipes(spec: str | None, deployment=None, db: str | None = None) -> list:
+    """Recipes named on the command line: built-ins, .toml files, and `best` (the newest incumbent the loop
+    stored for this deployment in the store)."""
     from core.recipe import resolve
 
-    return [resolve(s.strip()) for s in (spec or "").split(",") if s.strip()]
+    has_drafter = deployment is None or deployment.drafter is not None
+    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
+    return [best_recipe(deployment, db) if n == "best" else resolve(n, has_drafter) for n in names]
+
+
+def best_recipe(deployment, db: str | None):
+    """The final incumbent of the newest run on this deployment (same fingerprint) that finished a round."""
+    from core.deployment import Deployment
+    from core.recipe import Recipe
+    from core.store import Store
+
+    path = db or os.environ.get("SPECPILOT_DB") or "store.db"
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"--recipes best: no store at {path}; run `specpilot run` on this deployment first "
+                                "or pass --db PATH")
+    store = Store(path)
+    mine = deployment.fingerprint()
+    for run in store.list_runs():
+        try:
+            same = Deployment(**run["deployment"]).fingerprint() == mine
+        except (TypeError, ValueError, OSError):
+            same = False
+        rounds = [r for r in store.list_rounds(run["id"]) if r.get("incumbent")] if same else []
+        if rounds:
+            recipe = Recipe.from_toml(rounds[-1]["incumbent"]["recipe"], source=f"run {run['id']}")
+            return recipe.replace(name="best")
+    raise FileNotFoundError(f"--recipes best: {path} holds no finished round for this deployment "
+                            f"({deployment.describe()}); run `specpilot run` on it first")
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -51,7 +81,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
-    recipes = _recipes(args.recipes)
+    recipes = _recipes(args.recipes, deployment, args.db)
     if args.batch_sizes:
         from core.batchbench import run_batched
 
@@ -167,7 +197,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--split", default="all", choices=["tuning", "heldout", "all"])
     b.add_argument("--max-requests", type=int, default=None)
     b.add_argument("--max-new-tokens", type=int, default=None)
-    b.add_argument("--recipes", default="stock", help="comma-separated built-in names or .toml files")
+    b.add_argument("--recipes", default="stock", help="comma-separated built-in names, .toml files, or `best` "
+                                                      "(the loop's newest stored incumbent for this deployment)")
+    b.add_argument("--db", default=None, help="store for --recipes best (default: $SPECPILOT_DB or ./store.db)")
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8,16,32: batched AR vs recipes")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
@@ -250,10 +282,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
-    recipe = resolve(args.recipe)
+    recipe = resolve(args.recipe, deployment.drafter is not None)
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
-    report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict)))
+    report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict, deployment)))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -301,7 +333,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
-    recipe = resolve(args.recipe)
+    recipe = resolve(args.recipe, deployment.drafter is not None)
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
     try:

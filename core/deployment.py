@@ -32,10 +32,26 @@ class Deployment:
     device: str = "cpu"
     dtype: str = "auto"
     threads: int = 0
+    target_source: str = ""
+    drafter_source: str = ""
 
     def __post_init__(self) -> None:
+        """A `.gguf` target or drafter is materialised once into a cached checkpoint directory (see
+        core/engine/gguf.py), so every consumer sees a directory; the file stays named in *_source. A GGUF
+        deployment defaults to float32, the dtype its dequantised weights are exact in."""
+        from core.engine import gguf
+
+        if self.drafter in ("none", ""):
+            self.drafter = None
+        from_gguf = False
+        for role in ("target", "drafter"):
+            path = getattr(self, role)
+            if path is not None and gguf.is_gguf(path):
+                setattr(self, f"{role}_source", str(path))
+                setattr(self, role, gguf.resolve(path))
+                from_gguf = True
         if self.dtype == "auto":
-            self.dtype = default_dtype(self.device)
+            self.dtype = "float32" if from_gguf else default_dtype(self.device)
         if self.threads == 0:
             self.threads = 1 if self.device == "cpu" else 0
 
@@ -82,5 +98,6 @@ class Deployment:
         return hashlib.sha256(json.dumps(parts).encode()).hexdigest()[:16]
 
     def describe(self) -> str:
-        drafter = Path(self.drafter).name if self.drafter else "none"
-        return f"{Path(self.target).name} + {drafter} on {self.device} ({self.dtype})"
+        target = Path(self.target_source or self.target).name
+        drafter = Path(self.drafter_source or self.drafter).name if self.drafter else "none"
+        return f"{target} + {drafter} on {self.device} ({self.dtype})"

@@ -26,7 +26,8 @@ import torch
 from core.engine import Engine
 from core.engine.decode import Verification
 from core.engine.sampling import seeded_scores
-from core.recipe import Recipe, builtin
+from core.recipe import Recipe
+from core.recipe import stock as deployment_stock
 
 EPSILON = 0.05
 MARGIN_PP = 0.005
@@ -66,10 +67,9 @@ class ForcingResult:
 
 def load_reference(target_dir: str, dtype: str = "float32", device: str = "cpu"):
     """The stock reference: the transformers model of the target checkpoint, float32 unless told."""
-    from transformers import AutoModelForCausalLM
+    from core.hf import hf_model
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=getattr(torch, dtype))
-    return model.to(device).eval()
+    return hf_model(target_dir, dtype, device)
 
 
 def _choices(logits: torch.Tensor, ver: Verification, request_id: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -145,14 +145,14 @@ def run_forced(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], 
 
 
 def stock_for(engine: Engine, recipe: Recipe | None) -> tuple[Recipe, bool]:
-    """Stock with the recipe's choice rule (seeded stays seeded), and whether it is speculative: without a
-    drafter checkpoint stock is our autoregressive decoding."""
-    stock = builtin("stock")
+    """Stock (see core.recipe.stock) with the recipe's choice rule (seeded stays seeded), and whether it is
+    speculative."""
+    stock = deployment_stock(engine.drafter_model is not None)
     ver = _verification(recipe)
     if ver.sampling == "seeded":
         stock = stock.replace(verify={"sampling": "seeded", "temperature": ver.temperature, "top_p": ver.top_p,
                                       "seed": ver.seed})
-    return stock, engine.drafter_model is not None
+    return stock, True
 
 
 def compare(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], limits: list[int],

@@ -19,7 +19,8 @@ from typing import Any
 from core.deployment import Deployment
 from core.events import DecisionRefused, Emit, Event
 from core.judge import Judge, JudgeRequest
-from core.recipe import Recipe, builtin
+from core.recipe import Recipe
+from core.recipe import stock as deployment_stock
 
 STATES = ("measuring", "proposing", "judging", "awaiting_approval", "integrating", "paused", "done", "failed")
 
@@ -188,7 +189,7 @@ class Loop:
         (self.workspace / "plugins").mkdir(parents=True, exist_ok=True)
         ctx = prepare(d, cfg.max_requests, cfg.max_new_tokens, cfg.seed)
         self.ctx = ctx
-        stock = builtin("stock")
+        stock = deployment_stock(d.drafter is not None)
         self._state("measuring")
         judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, cfg.limit_s, cfg.seed)
         calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)

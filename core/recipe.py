@@ -261,8 +261,17 @@ BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "
             "batch-cap")
 
 
-def resolve(spec: str) -> Recipe:
-    """A built-in name or a TOML path."""
+def stock(has_drafter: bool = True) -> Recipe:
+    """What a user gets without SpecPilot: the deployment's drafter model in a chain of 4; a deployment with
+    no drafter model (`--drafter none`) gets prompt lookup (3-gram, chain of 4), as serving engines offer."""
+    if has_drafter:
+        return builtin("stock")
+    return Recipe(name="stock", draft=DraftSection(method="ngram", ngram_max=3),
+                  tree=TreeSection(policy="chain", depth=4)).validate()
+
+
+def resolve(spec: str, has_drafter: bool = True) -> Recipe:
+    """A built-in name or a TOML path (`stock` as the deployment has it: see `stock`)."""
     if spec.endswith(".toml") or "/" in spec:
         return Recipe.load(spec)
-    return builtin(spec)
+    return stock(has_drafter) if spec == "stock" else builtin(spec)

@@ -66,7 +66,10 @@ def _parse(row: dict, where: str, index: int, default_new: int) -> Request:
     prompt = row.get("prompt")
     if not isinstance(prompt, str) or not prompt:
         raise WorkloadError(f"{where}: expected 'prompt' (a non-empty string) or Spec-Bench 'turns'")
-    return Request(str(row.get("id", index)), prompt, max_new, str(row.get("category", "")))
+    chat = row.get("chat", False)
+    if not isinstance(chat, bool):
+        raise WorkloadError(f"{where}: 'chat' must be true or false, got {chat!r}")
+    return Request(str(row.get("id", index)), prompt, max_new, str(row.get("category", "")), chat=chat)
 
 
 def split(requests: list[Request], which: str = "all", seed: int = 0) -> list[Request]:
@@ -84,6 +87,8 @@ def encode(tokenizer, request: Request) -> list[int]:
     """Token ids for a request; chat requests use the tokenizer's chat template when it has one."""
     if request.chat and getattr(tokenizer, "chat_template", None):
         ids = tokenizer.apply_chat_template([{"role": "user", "content": request.prompt}],
-                                            add_generation_prompt=True, tokenize=True)
-        return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
+        if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 ignores return_dict for some tokenizers)
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
     return tokenizer.encode(request.prompt, add_special_tokens=False)

@@ -41,14 +41,14 @@ def test_bench_json_fields(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads(out.stdout)
     names = [r["name"] for r in summary["results"]]
-    assert names == ["hf-ar", "hf-assisted", "hf-lookup", "ar", "stock", "ngram"]
+    assert names == ["hf-ar", "hf-assisted", "hf-assisted-tuned", "hf-lookup", "ar", "stock", "ngram"]
     keys = {"name", "tokens_per_s", "tokens_per_s_min", "tokens_per_s_max", "mean_accepted_length", "requests",
             "mismatched_requests"}
     for r in summary["results"]:
         assert keys <= set(r)
         assert r["requests"] == 2
         assert r["tokens_per_s_min"] <= r["tokens_per_s"] <= r["tokens_per_s_max"]
-        assert (r["mean_accepted_length"] is None) == (r["name"] in ("hf-ar", "hf-assisted", "hf-lookup", "ar"))
+        assert (r["mean_accepted_length"] is None) == (r["name"] in ("hf-ar", "hf-assisted", "hf-assisted-tuned", "hf-lookup", "ar"))
     ours = {r["name"]: r for r in summary["results"]}
     assert ours["ar"]["mismatched_requests"] == 0 and ours["stock"]["mismatched_requests"] == 0
 

@@ -13,7 +13,7 @@ from core.engine.drafters import Drafter, ModelDrafter, NgramDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.serve import CostTable, Policy, measure_costs, serve
 from core.engine.tree import chain_paths
-from core.recipe import Recipe, builtin
+from core.recipe import Recipe, stock
 
 
 def _vocab(path: Path) -> dict | None:
@@ -132,7 +132,7 @@ class Engine:
     def generate(self, prompts: list[list[int]], max_new_tokens: int | list[int], recipe: Recipe | None = None,
                  request_ids: list[int] | None = None, speculative: bool = True) -> GenerateResult:
         """Run `recipe` (default stock) on a batch; speculative=False is plain autoregressive decoding."""
-        recipe = recipe or builtin("stock")
+        recipe = recipe or stock(self.drafter_model is not None)
         target, _ = self.models_for(recipe)
         v = recipe.verify
         ver = Verification(v.sampling if speculative or v.sampling == "seeded" else "greedy",

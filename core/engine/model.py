@@ -27,6 +27,23 @@ def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     return lambda x: F.linear(x, weight, bias)
 
 
+def rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """The parts stacked along rows: a view when they already lie one after another in one storage (a
+    memory-mapped GGUF checkpoint lays q/k/v and gate/up out so), else a concatenated copy."""
+    first = parts[0]
+    offset = first.storage_offset()
+    adjacent = all(p.is_contiguous() and p.untyped_storage().data_ptr() == first.untyped_storage().data_ptr()
+                   and p.dtype == first.dtype and p.shape[1:] == first.shape[1:] for p in parts)
+    if adjacent:
+        for p in parts:
+            adjacent = adjacent and p.storage_offset() == offset
+            offset += p.numel()
+    if not adjacent:
+        return torch.cat(parts)
+    shape = (sum(p.shape[0] for p in parts), *first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape, first.stride())
+
+
 @dataclass
 class LayerWeights:
     attn_norm: torch.Tensor
@@ -149,11 +166,11 @@ class Transformer:
         self.layers: list[LayerWeights] = []
         for i in range(self.num_layers):
             p = f"model.layers.{i}."
-            qkv_w = torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
+            qkv_w = rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"])
             qkv_b = None
             if state.get(p + "self_attn.q_proj.bias") is not None:
-                qkv_b = torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
-            gate_up_w = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+                qkv_b = rows([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"])
+            gate_up_w = rows([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
             raw = {"qkv": qkv_w, "qkv_bias": qkv_b, "o": take(p + "self_attn.o_proj.weight"), "gate_up": gate_up_w,
                    "down": take(p + "mlp.down_proj.weight")}
             self.layers.append(LayerWeights(
