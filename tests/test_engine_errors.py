@@ -61,10 +61,16 @@ def test_prompt_over_context_refused_before_work(tmp_path):
 
 
 def test_model_drafter_without_checkpoint(tmp_path):
+    """Without a drafter model, a recipe that drafts with one is refused in one line; the default (stock)
+    is then prompt lookup, and it is still lossless."""
+    from core.recipe import builtin
+
     tiny_models.build(tmp_path)
     engine = Engine.load(tmp_path)
     with pytest.raises(ModelLoadError, match="needs a drafter checkpoint; pass --drafter DIR"):
-        engine.generate([[1, 2]], 4)
+        engine.generate([[1, 2]], 4, builtin("stock"))
+    default = engine.generate([[1, 2, 1, 2]], 6)
+    assert default.tokens == engine.generate([[1, 2, 1, 2]], 6, speculative=False).tokens
 
 
 @pytest.mark.parametrize("text, message", [

@@ -67,15 +67,15 @@ def test_shipped_workloads_load():
 
 
 def test_chat_template_applied_when_present():
-    class Tok:
-        chat_template = "x"
+    """A real transformers tokenizer with a real template: transformers 5 returns a BatchEncoding from
+    apply_chat_template(tokenize=True), which must still come out as token ids."""
+    from transformers import AutoTokenizer
 
-        def apply_chat_template(self, messages, add_generation_prompt, tokenize):
-            assert messages == [{"role": "user", "content": "hi"}] and add_generation_prompt
-            return [7, 8]
+    from core.deployment import DEMO_TARGET
 
-        def encode(self, text, add_special_tokens=False):
-            return [1]
-
-    assert encode(Tok(), Request("1", "hi", 4, chat=True)) == [7, 8]
-    assert encode(Tok(), Request("1", "hi", 4)) == [1]
+    tok = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
+    tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"
+    ids = encode(tok, Request("1", "hi there", 4, chat=True))
+    assert all(isinstance(i, int) for i in ids)
+    assert ids == tok.encode("<user>hi there\n<assistant>", add_special_tokens=False)
+    assert encode(tok, Request("1", "hi there", 4)) == tok.encode("hi there", add_special_tokens=False)

@@ -79,6 +79,7 @@ class Engine:
         drafter), and the drafter only proposes, so its backend never changes the output."""
         target, drafter = self.target, self.drafter_model
         fmt, backend = recipe.weights.format, recipe.runtime.linear
+        self._budget(recipe)
         if fmt != "native":
             from core.engine.weights import pack_transformer
 
@@ -90,6 +91,24 @@ class Engine:
             if drafter is not None:
                 drafter = self._on_backend(f"{fmt}:drafter", drafter, backend)
         return target, drafter
+
+    def _budget(self, recipe: Recipe) -> None:
+        """Refuse a weight format or linear backend whose packed copies would not fit, before building them:
+        packed12 keeps ~1.6 bytes per weight; onednn 4 (float32); skinny and fused 8 (skinny's panels plus
+        oneDNN's copy for wide steps). Copies already built cost nothing more."""
+        fmt, backend = recipe.weights.format, recipe.runtime.linear
+        target = sum(m.numel() for m in self.target.matrices())
+        drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
+        needed = 0.0
+        if fmt == "packed12" and fmt not in self._models:
+            needed += 1.6 * (target + (drafter if recipe.weights.drafter else 0))
+        if backend != "native" and f"{fmt}+{backend}" not in self._models:
+            needed += {"onednn": 4.0, "skinny": 8.0, "fused": 8.0}.get(backend, 0.0) * (target + drafter)
+        if needed:
+            from core.engine.memory import require
+
+            require(int(needed), f"weights.format = {fmt!r} with runtime.linear = {backend!r}",
+                    "use runtime.linear = 'native' (memory-mapped, shared) or a smaller model")
 
     def _on_backend(self, key: str, model: Transformer, backend: str) -> Transformer:
         """`model` (cached under `key`) with its projections on `backend`; fused builds on the skinny copy,

@@ -1,0 +1,148 @@
+"""A real deployment as a user meets it: SmolLM2-135M-Instruct from its GGUF, with no drafter model, is
+lossless against transformers in float32 for AR, n-gram, early exit and a dynamic tree; `--recipes best`
+takes the loop's stored incumbent; a backend that would not fit is refused before it loads."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mini_deployment
+from core.deployment import Deployment
+from core.engine import Engine, ModelLoadError
+from core.recipe import Recipe, builtin, stock
+
+RECIPES = {
+    "ngram": Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6}}),
+    "early_exit": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 10},
+                                    "tree": {"policy": "chain", "depth": 3}}),
+    "dynamic": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 15},
+                                 "tree": {"policy": "dynamic", "depth": 4, "topk": 3, "budget": 10}}),
+}
+PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
+           "Explain what a hash map is in two sentences.",
+           "Fix this code: def add(a, b): return a - b"]
+
+
+@pytest.fixture(scope="module")
+def smol(smollm2_dir, one_thread):
+    from transformers import AutoTokenizer
+
+    from core.hf import hf_model
+    from core.workload import Request, encode
+
+    tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
+    prompts = [encode(tok, Request(str(i), p, 24, chat=True)) for i, p in enumerate(PROMPTS)]
+    reference = hf_model(str(smollm2_dir))
+    with torch.inference_mode():
+        greedy = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+                                     pad_token_id=tok.eos_token_id)[0, len(p):].tolist() for p in prompts]
+    return Engine.load(smollm2_dir), prompts, greedy
+
+
+def _until_eos(tokens, eos):
+    return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
+
+
+@pytest.mark.parametrize("name", ["ar", *RECIPES])
+def test_smollm2_greedy_identity_against_transformers(smol, name):
+    engine, prompts, greedy = smol
+    eos = engine.target.cfg.eos_token_ids[0]
+    for p, ref in zip(prompts, greedy):
+        if name == "ar":
+            ours = engine.generate([p], 24, speculative=False)
+        else:
+            ours = engine.generate([p], 24, RECIPES[name])
+        assert _until_eos(ours.tokens[0], eos) == _until_eos(ref, eos)
+        if name != "ar":
+            assert any(a > 0 for s in ours.steps for a in s.accepted)  # it really speculated
+
+
+def test_reference_shares_the_engine_mapping(smollm2_dir):
+    """The transformers reference reads the same float32 values, with no private copy of the model."""
+    from transformers import AutoModelForCausalLM
+
+    from core.hf import hf_model
+
+    shared = hf_model(str(smollm2_dir))
+    plain = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
+    ids = torch.tensor([[1, 504, 3458, 314, 260, 1789]])
+    with torch.inference_mode():
+        assert torch.equal(shared(ids).logits, plain(ids).logits)
+    storage = shared.model.layers[0].self_attn.q_proj.weight.untyped_storage()
+    assert storage.nbytes() == (smollm2_dir / "model.safetensors").stat().st_size  # a view of the mapped file
+
+
+def test_no_drafter_deployment(smollm2_gguf):
+    d = Deployment(target=smollm2_gguf, drafter="none")
+    assert d.drafter is None and d.target_source == smollm2_gguf and d.dtype == "float32"
+    assert d.describe().startswith("smollm2-135m-instruct") and "+ none" in d.describe()
+    assert stock(False).draft.method == "ngram" and stock(True).draft.method == "model"
+    d.validate()
+
+
+def test_recipe_needing_a_drafter_is_refused_in_one_line(smollm2_gguf, capsys, tmp_path):
+    from core.cli import main
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "Say hi.", "chat": True, "max_new_tokens": 4}) + "\n")
+    code = main(["verify", "--target", smollm2_gguf, "--drafter", "none", "--workload", str(workload),
+                 "--recipe", "chain6", "--max-requests", "1"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "needs a drafter checkpoint" in err and "\n" not in err
+
+
+def test_bench_without_drafter_skips_assisted_with_a_note(smollm2_gguf, tmp_path):
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"id": "a", "prompt": "List three colours.", "chat": True,
+                                    "max_new_tokens": 6}) + "\n")
+    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", smollm2_gguf, "--drafter", "none",
+           "--workload", str(workload), "--repeats", "1", "--recipes", "stock", "--quiet", "--json"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout)
+    assert [r["name"] for r in summary["results"]] == ["hf-ar", "hf-lookup", "ar", "stock"]
+    assert any("hf-assisted skipped" in n for n in summary["notes"])
+    assert all(r["mismatched_requests"] == 0 for r in summary["results"])
+
+
+def test_recipes_best_from_the_store(tmp_path, capsys):
+    from core.cli import best_recipe
+    from core.store import Store
+
+    d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=4)
+    deployment = Deployment(target=d["target"], drafter=d["drafter"], workload=d["workload"])
+    db = tmp_path / "store.db"
+    with pytest.raises(FileNotFoundError, match="no store at"):
+        best_recipe(deployment, str(db))
+    store = Store(db)
+    with pytest.raises(FileNotFoundError, match="holds no finished round for this deployment"):
+        best_recipe(deployment, str(db))
+    other = Deployment(target=d["target"], drafter=None, workload=d["workload"])
+    for dep, depth in ((deployment, 5), (deployment, 7), (other, 3)):
+        run = store.create_run(dep.to_dict(), {})
+        rnd = store.start_round(run, 1, {})
+        recipe = Recipe.from_dict({"tree": {"policy": "chain", "depth": depth}})
+        store.finish_round(rnd, {"recipe": recipe.to_toml(), "heldout_speedup_vs_ar": 1.0})
+    unfinished = store.create_run(deployment.to_dict(), {})
+    store.start_round(unfinished, 1, {})
+    best = best_recipe(deployment, str(db))
+    assert best.name == "best" and best.tree.depth == 7  # the newest finished one of this deployment
+    assert best_recipe(other, str(db)).tree.depth == 3
+
+
+def test_a_backend_that_would_not_fit_is_refused_before_it_loads(monkeypatch, tmp_path):
+    from core.engine import memory
+
+    d = mini_deployment.build(tmp_path, requests=1, max_new_tokens=4)
+    engine = Engine.load(d["target"], d["drafter"])
+    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)
+    fused = builtin("stock").replace(runtime={"linear": "fused"})
+    with pytest.raises(ModelLoadError, match=r"needs .* GB of private memory and only 0.0 GB is available"):
+        engine.generate([[1, 2, 3]], 2, fused)
+    assert engine._models == {}
+    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
+    assert engine.generate([[1, 2, 3]], 2, fused).tokens[0] == engine.generate([[1, 2, 3]], 2, speculative=False).tokens[0]
