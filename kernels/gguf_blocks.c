@@ -47,9 +47,11 @@ static void deq_q8_0(const uint8_t *b, float *out) {
 static void deq_q4_1(const uint8_t *b, float *out) {
     __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
     __m256i mask = _mm256_set1_epi32(15);
-    for (int g = 0; g < 4; g++) {
-        __m256i q = _mm256_and_si256(_mm256_srli_epi32(load8_u8(b + 4 + 8 * (g & 1)), 4 * (g >> 1)), mask);
-        _mm256_store_ps(out + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, _mm256_cvtepi32_ps(q)), m));
+    for (int g = 0; g < 2; g++) {
+        __m256i v = load8_u8(b + 4 + 8 * g);
+        __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        _mm256_store_ps(out + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, lo), m));
+        _mm256_store_ps(out + 16 + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, hi), m));
     }
 }
 
@@ -58,13 +60,16 @@ static void deq_q5_0(const uint8_t *b, float *out) {
     __m256 d = _mm256_set1_ps(f16(b));
     uint32_t qh;
     memcpy(&qh, b + 2, 4);
-    __m256i h = _mm256_set1_epi32((int)qh), mask = _mm256_set1_epi32(15), one = _mm256_set1_epi32(1);
-    __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), sixteen = _mm256_set1_epi32(16);
+    __m256i h = _mm256_set1_epi32((int)qh), mask = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
+    __m256i shl = _mm256_setr_epi32(4, 3, 2, 1, 0, 0, 0, 0), shr = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3);
+    __m256 c16 = _mm256_set1_ps(16.0f);
     for (int g = 0; g < 4; g++) {
-        __m256i lo = _mm256_and_si256(_mm256_srli_epi32(load8_u8(b + 6 + 8 * (g & 1)), 4 * (g >> 1)), mask);
-        __m256i hi = _mm256_and_si256(_mm256_srlv_epi32(h, _mm256_add_epi32(lane, _mm256_set1_epi32(8 * g))), one);
-        __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), sixteen);
-        _mm256_store_ps(out + 8 * g, _mm256_mul_ps(d, _mm256_cvtepi32_ps(q)));
+        __m256i v = load8_u8(b + 6 + 8 * (g & 1));
+        __m256i lo = g < 2 ? _mm256_and_si256(v, mask) : _mm256_srli_epi32(v, 4);
+        /* bit 8g + i of qh moved to bit 4 of lane i */
+        __m256i hb = _mm256_srlv_epi32(_mm256_sllv_epi32(_mm256_srli_epi32(h, 8 * g), shl), shr);
+        __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hb, bit4));
+        _mm256_store_ps(out + 8 * g, _mm256_mul_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(q), c16)));
     }
 }
 
@@ -74,22 +79,22 @@ static void deq_q5_0(const uint8_t *b, float *out) {
 static void deq_q4_k(const uint8_t *b, float *out) {
     float d = f16(b), dmin = f16(b + 2);
     const uint8_t *s = b + 4, *qs = b + 16;
-    __m256i mask = _mm256_set1_epi32(15);
+    float ds[8], dm[8];
     for (int j = 0; j < 8; j++) {
-        int sc, mn;
-        if (j < 4) {
-            sc = s[j] & 63;
-            mn = s[j + 4] & 63;
-        } else {
-            sc = (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
-            mn = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
-        }
-        __m256 ds = _mm256_set1_ps(d * (float)sc), dm = _mm256_set1_ps(dmin * (float)mn);
-        const uint8_t *src = qs + 32 * (j >> 1);
-        int shift = 4 * (j & 1);
+        int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+        ds[j] = d * (float)sc;
+        dm[j] = dmin * (float)mn;
+    }
+    __m256i mask = _mm256_set1_epi32(15);
+    for (int c = 0; c < 4; c++) {
+        __m256 d0 = _mm256_set1_ps(ds[2 * c]), m0 = _mm256_set1_ps(dm[2 * c]);
+        __m256 d1 = _mm256_set1_ps(ds[2 * c + 1]), m1 = _mm256_set1_ps(dm[2 * c + 1]);
         for (int g = 0; g < 4; g++) {
-            __m256i q = _mm256_and_si256(_mm256_srli_epi32(load8_u8(src + 8 * g), shift), mask);
-            _mm256_store_ps(out + 32 * j + 8 * g, _mm256_sub_ps(_mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)), dm));
+            __m256i v = load8_u8(qs + 32 * c + 8 * g);
+            __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+            _mm256_store_ps(out + 64 * c + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d0, lo), m0));
+            _mm256_store_ps(out + 64 * c + 32 + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d1, hi), m1));
         }
     }
 }
@@ -101,18 +106,23 @@ static void deq_q6_k(const uint8_t *b, float *out) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
     float d = f16(b + 208);
-    __m256i m15 = _mm256_set1_epi32(15), m3 = _mm256_set1_epi32(3), c32 = _mm256_set1_epi32(32);
+    __m256i m15 = _mm256_set1_epi32(15), m30 = _mm256_set1_epi32(0x30);
+    __m256 c32 = _mm256_set1_ps(32.0f);
     for (int h = 0; h < 2; h++)
-        for (int s = 0; s < 4; s++)
-            for (int g = 0; g < 4; g++) {
-                int l = 8 * g;
-                __m256i lo = _mm256_and_si256(_mm256_srli_epi32(load8_u8(ql + h * 64 + (s & 1) * 32 + l), 4 * (s >> 1)), m15);
-                __m256i hi = _mm256_and_si256(_mm256_srli_epi32(load8_u8(qh + h * 32 + l), 2 * s), m3);
-                __m256i q = _mm256_sub_epi32(_mm256_or_si256(lo, _mm256_slli_epi32(hi, 4)), c32);
-                int e = h * 128 + s * 32 + l;
-                __m256 ds = _mm256_set1_ps(d * (float)sc[e / 16]);
-                _mm256_store_ps(out + e, _mm256_mul_ps(ds, _mm256_cvtepi32_ps(q)));
+        for (int g = 0; g < 4; g++) {
+            int l = 8 * g, e = h * 128 + l;
+            __m256i a = load8_u8(ql + h * 64 + l), c = load8_u8(ql + h * 64 + 32 + l), x = load8_u8(qh + h * 32 + l);
+            __m256i q0 = _mm256_or_si256(_mm256_and_si256(a, m15), _mm256_and_si256(_mm256_slli_epi32(x, 4), m30));
+            __m256i q1 = _mm256_or_si256(_mm256_and_si256(c, m15), _mm256_and_si256(_mm256_slli_epi32(x, 2), m30));
+            __m256i q2 = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(x, m30));
+            __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(x, 2), m30));
+            __m256i qs[4] = {q0, q1, q2, q3};
+            for (int s = 0; s < 4; s++) {
+                __m256 ds = _mm256_set1_ps(d * (float)sc[(e + 32 * s) / 16]);
+                __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(qs[s]), c32);
+                _mm256_store_ps(out + e + 32 * s, _mm256_mul_ps(ds, q));
             }
+        }
 }
 
 /* Values [k0, k0 + len) of one stored row into out (len a multiple of the block size, and of 8). */

@@ -165,30 +165,30 @@ def linear_tensors(path: str) -> list[tuple[str, GGUFMatrix]]:
 
 def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | None = None,
                 fp32: bool = True) -> dict[int, dict[str, float]]:
-    """ms of one pass over every linear of a GGUF checkpoint with `rows` input rows: this kernel and (fp32)
-    torch F.linear on float32 copies, interleaved in one process, median of `repeats`."""
+    """ms of one pass over every linear of a GGUF checkpoint with `rows` input rows: this kernel ("gguf") and
+    (fp32) torch F.linear on float32 copies, interleaved in one process, median of `repeats`; "<name> cpu" is
+    the process CPU time of the pass divided by the threads (on a shared machine wall time includes waiting)."""
     mats = linear_tensors(path)
-    if threads:
-        for _, m in mats:
-            m.threads = threads
-    dense = [m.dequantize() for _, m in mats] if fp32 else []
+    t = threads or torch.get_num_threads()
+    torch.set_num_threads(t)
+    for _, m in mats:
+        m.threads = t
+    systems: dict[str, list] = {"gguf": [m for _, m in mats]}
+    if fp32:
+        systems["fp32"] = [lambda x, w=m.dequantize(): F.linear(x, w) for _, m in mats]
     out: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
         for m_rows in rows:
             xs = [torch.randn(m_rows, m.k) for _, m in mats]
-            times: dict[str, list[float]] = {"gguf": [], "fp32": []} if fp32 else {"gguf": []}
+            times: dict[str, list[float]] = {}
             for rep in range(repeats + 1):
-                t0 = time.perf_counter()
-                for (_, m), x in zip(mats, xs):
-                    m(x)
-                if rep:
-                    times["gguf"].append((time.perf_counter() - t0) * 1e3)
-                if fp32:
-                    t0 = time.perf_counter()
-                    for w, x in zip(dense, xs):
-                        F.linear(x, w)
+                for name, fns in systems.items():
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for f, x in zip(fns, xs):
+                        f(x)
                     if rep:
-                        times["fp32"].append((time.perf_counter() - t0) * 1e3)
+                        times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+                        times.setdefault(f"{name} cpu", []).append((time.process_time() - c0) * 1e3 / t)
             out[m_rows] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
     return out
 
@@ -212,12 +212,14 @@ def main(argv: list[str] | None = None) -> int:
     mats = linear_tensors(args.bench)
     gb = sum(m.nbytes for _, m in mats) / 1e9
     threads = args.threads or torch.get_num_threads()
-    print(f"{len(mats)} linears, {gb:.3f} GB of blocks, {threads} threads")
-    print(f"{'rows':>5}{'gguf ms':>10}{'GB/s':>8}{'fp32 ms':>10}{'fp32/gguf':>10}")
+    print(f"{len(mats)} linears, {gb:.3f} GB of blocks, {threads} threads; ms per pass (wall, and CPU / threads)")
+    names = list(next(iter(result.values())))
+    print(f"{'rows':>5}" + "".join(f"{n:>11}" for n in names) + f"{'GB/s':>7}{'GB/s cpu':>9}"
+          + (f"{'fp32/gguf':>10}" if "fp32" in names else ""))
     for m, ms in result.items():
-        fp = ms.get("fp32")
-        line = f"{m:>5}{ms['gguf']:>10.1f}{gb / ms['gguf'] * 1e3:>8.1f}"
-        line += f"{fp:>10.1f}{fp / ms['gguf']:>10.2f}" if fp else ""
+        line = f"{m:>5}" + "".join(f"{ms[n]:>11.1f}" for n in names)
+        line += f"{gb / ms['gguf'] * 1e3:>7.1f}{gb / ms['gguf cpu'] * 1e3:>9.1f}"
+        line += f"{ms['fp32'] / ms['gguf']:>10.2f}" if "fp32" in ms else ""
         print(line)
     return 0
 
