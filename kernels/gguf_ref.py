@@ -102,7 +102,7 @@ def _q5_0(b: torch.Tensor) -> torch.Tensor:
     d = _f16(b[:, 0:2])
     qh = b[:, 2:6].long()
     qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
-    hi = (qh[:, None] >> torch.arange(32)) & 1
+    hi = (qh[:, None] >> torch.arange(32, device=b.device)) & 1
     q = (_nibbles(b[:, 6:22]) | hi << 4) - 16
     return d * q.float()
 
@@ -134,7 +134,7 @@ def _q4_k(b: torch.Tensor) -> torch.Tensor:
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
     ql = _nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
-    qh = b[:, 128:192].long().reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)
+    qh = b[:, 128:192].long().reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=b.device).reshape(1, 1, 4, 1)
     q = ((ql | (qh & 3) << 4) - 32).reshape(nb, 16, 16).float()
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
     d = _f16(b[:, 208:210])
