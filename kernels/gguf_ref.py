@@ -160,3 +160,25 @@ def matmul(x: torch.Tensor, raw: np.ndarray | torch.Tensor, qtype: int | str, n:
     """x [M, K] float32 @ W.T with W the dequantised [N, K]: the plain float32 product the kernels approximate
     to float32 rounding."""
     return x.float() @ dequantize(raw, qtype, n, k).T
+
+
+def random_blocks(qtype: int | str, n: int, k: int, gen: np.random.Generator,
+                  scales: np.ndarray | None = None) -> np.ndarray:
+    """Random raw blocks uint8 [N, row_bytes] whose float16 fields are finite (random normal, or `scales`
+    cycled over every f16 field): for tests and benchmarks of types gguf-py cannot quantise to."""
+    t = qtype_id(qtype)
+    name, block, size = FORMATS[t]
+    if t == 0:
+        return gen.standard_normal((n, k)).astype(np.float32).view(np.uint8)
+    if t == 1:
+        return gen.standard_normal((n, k)).astype(np.float16).view(np.uint8)
+    nb = n * (k // block)
+    raw = gen.integers(0, 256, (nb, size), dtype=np.uint8)
+    fields = {3: (0, 2), 6: (0,), 8: (0,), 12: (0, 2), 14: (208,)}[t]
+    for i, off in enumerate(fields):
+        if scales is None:
+            v = gen.standard_normal(nb).astype(np.float16)
+        else:
+            v = np.resize(np.roll(np.asarray(scales, dtype=np.float16), i), nb)
+        raw[:, off:off + 2] = v.view(np.uint8).reshape(nb, 2)
+    return raw.reshape(n, -1)
