@@ -23,6 +23,7 @@
 #define KC 256
 #define TILE 4
 #define MAX_ROWS 64
+#define MIN_WORK_PER_THREAD (1L << 20) /* weights (x rows, up to 8) that take longer than starting a thread */
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
@@ -105,22 +106,23 @@ static void deq_q4_k(const uint8_t *b, float *out) {
 static void deq_q6_k(const uint8_t *b, float *out) {
     const uint8_t *ql = b, *qh = b + 128;
     const int8_t *sc = (const int8_t *)(b + 192);
-    float d = f16(b + 208);
+    float d = f16(b + 208), ds[16];
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
     __m256i m15 = _mm256_set1_epi32(15), m30 = _mm256_set1_epi32(0x30);
     __m256 c32 = _mm256_set1_ps(32.0f);
     for (int h = 0; h < 2; h++)
         for (int g = 0; g < 4; g++) {
             int l = 8 * g, e = h * 128 + l;
             __m256i a = load8_u8(ql + h * 64 + l), c = load8_u8(ql + h * 64 + 32 + l), x = load8_u8(qh + h * 32 + l);
-            __m256i q0 = _mm256_or_si256(_mm256_and_si256(a, m15), _mm256_and_si256(_mm256_slli_epi32(x, 4), m30));
-            __m256i q1 = _mm256_or_si256(_mm256_and_si256(c, m15), _mm256_and_si256(_mm256_slli_epi32(x, 2), m30));
-            __m256i q2 = _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(x, m30));
-            __m256i q3 = _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(x, 2), m30));
-            __m256i qs[4] = {q0, q1, q2, q3};
+            __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, m15), _mm256_and_si256(_mm256_slli_epi32(x, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(c, m15), _mm256_and_si256(_mm256_slli_epi32(x, 2), m30)),
+                _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(x, m30)),
+                _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(x, 2), m30)),
+            };
             for (int s = 0; s < 4; s++) {
-                __m256 ds = _mm256_set1_ps(d * (float)sc[(e + 32 * s) / 16]);
-                __m256 q = _mm256_sub_ps(_mm256_cvtepi32_ps(qs[s]), c32);
-                _mm256_store_ps(out + e + 32 * s, _mm256_mul_ps(ds, q));
+                __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q[s]), c32);
+                _mm256_store_ps(out + e + 32 * s, _mm256_mul_ps(_mm256_broadcast_ss(ds + (e + 32 * s) / 16), v));
             }
         }
 }
@@ -232,6 +234,8 @@ int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long
                 long ldy, int threads) {
     if (m < 1 || m > MAX_ROWS || k % 8 || !gguf_supported(qtype)) return -1;
     long tiles = (n + TILE - 1) / TILE;
+    long per_thread = MIN_WORK_PER_THREAD / (m < 8 ? m : 8) + 1; /* weights per thread worth its start-up */
+    if (threads > n * k / per_thread) threads = (int)(n * k / per_thread);
     if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)(tiles ? tiles : 1);
     job_t jobs[64];
