@@ -1,0 +1,256 @@
+/* GGUF block-format matmul for CPU verification: y[M, N] = x[M, K] @ W[N, K]^T, W read as stored, AVX2 + FMA.
+ *
+ * Why: a decode step reads every weight once per token; reading the 4-6.6-bit GGUF blocks instead of float32
+ * copies cuts that traffic 5-7x, and verifying several draft rows per read turns it into compute. The
+ * activations stay float32 (no 8-bit quantisation of x as in llama.cpp), so the product is exact up to float32
+ * summation and the dequantised weights are bit-identical to gguf-py's (kernels/gguf_ref.py).
+ *
+ * Layout of the work: a thread owns a contiguous range of tiles of 4 output rows. For each chunk of KC = 256
+ * values along K, the tile's 4 rows are dequantised into a 4 KB L1 scratch (each stored block is read once
+ * per call, whatever M), then every group of up to 3 x rows is multiplied against it with 12 register
+ * accumulators (lane-wise over k, kept in a small per-tile buffer between chunks).
+ *
+ * Exactness: this file is compiled with -ffp-contract=off, so a dequantisation's multiply and add/subtract
+ * stay two roundings as in gguf-py (d * q - m, d * q + m); only the explicit _mm256_fmadd_ps of the x.w
+ * accumulation is fused. Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the
+ * fixed horizontal add ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
+ */
+#include <immintrin.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <string.h>
+
+#define KC 256
+#define TILE 4
+#define MAX_ROWS 64
+#define MIN_WORK_PER_THREAD (1L << 20) /* weights (x rows, up to 8) that take longer than starting a thread */
+
+enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+
+static inline float f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
+static inline __m256i load8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+/* Q8_0 (34 bytes): f16 d, int8 q[32]; w = q * d. */
+static void deq_q8_0(const uint8_t *b, float *out) {
+    __m256 d = _mm256_set1_ps(f16(b));
+    for (int g = 0; g < 4; g++) {
+        __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g)));
+        _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+    }
+}
+
+/* Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles (low nibbles are values 0-15, high 16-31); w = d*q + m. */
+static void deq_q4_1(const uint8_t *b, float *out) {
+    __m256 d = _mm256_set1_ps(f16(b)), m = _mm256_set1_ps(f16(b + 2));
+    __m256i mask = _mm256_set1_epi32(15);
+    for (int g = 0; g < 2; g++) {
+        __m256i v = load8_u8(b + 4 + 8 * g);
+        __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+        _mm256_store_ps(out + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, lo), m));
+        _mm256_store_ps(out + 16 + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, hi), m));
+    }
+}
+
+/* Q5_0 (22 bytes): f16 d, uint32 qh (bit j is value j's fifth bit), 16 bytes of nibbles; w = d * (q - 16). */
+static void deq_q5_0(const uint8_t *b, float *out) {
+    __m256 d = _mm256_set1_ps(f16(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    __m256i h = _mm256_set1_epi32((int)qh), mask = _mm256_set1_epi32(15), bit4 = _mm256_set1_epi32(16);
+    __m256i shl = _mm256_setr_epi32(4, 3, 2, 1, 0, 0, 0, 0), shr = _mm256_setr_epi32(0, 0, 0, 0, 0, 1, 2, 3);
+    __m256 c16 = _mm256_set1_ps(16.0f);
+    for (int g = 0; g < 4; g++) {
+        __m256i v = load8_u8(b + 6 + 8 * (g & 1));
+        __m256i lo = g < 2 ? _mm256_and_si256(v, mask) : _mm256_srli_epi32(v, 4);
+        /* bit 8g + i of qh moved to bit 4 of lane i */
+        __m256i hb = _mm256_srlv_epi32(_mm256_sllv_epi32(_mm256_srli_epi32(h, 8 * g), shl), shr);
+        __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hb, bit4));
+        _mm256_store_ps(out + 8 * g, _mm256_mul_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(q), c16)));
+    }
+}
+
+/* Q4_K (144 bytes, 256 values): f16 d, f16 dmin, 12 bytes of packed 6-bit scales and mins for 8 sub-blocks of
+ * 32, 128 bytes of nibbles (bytes 32c..32c+31 hold sub-block 2c in low and 2c+1 in high nibbles);
+ * w = (d * sc) * q - (dmin * m). */
+static void deq_q4_k(const uint8_t *b, float *out) {
+    float d = f16(b), dmin = f16(b + 2);
+    const uint8_t *s = b + 4, *qs = b + 16;
+    float ds[8], dm[8];
+    for (int j = 0; j < 8; j++) {
+        int sc = j < 4 ? s[j] & 63 : (s[j + 4] & 15) | ((s[j - 4] >> 2) & 0x30);
+        int mn = j < 4 ? s[j + 4] & 63 : (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+        ds[j] = d * (float)sc;
+        dm[j] = dmin * (float)mn;
+    }
+    __m256i mask = _mm256_set1_epi32(15);
+    for (int c = 0; c < 4; c++) {
+        __m256 d0 = _mm256_set1_ps(ds[2 * c]), m0 = _mm256_set1_ps(dm[2 * c]);
+        __m256 d1 = _mm256_set1_ps(ds[2 * c + 1]), m1 = _mm256_set1_ps(dm[2 * c + 1]);
+        for (int g = 0; g < 4; g++) {
+            __m256i v = load8_u8(qs + 32 * c + 8 * g);
+            __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
+            _mm256_store_ps(out + 64 * c + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d0, lo), m0));
+            _mm256_store_ps(out + 64 * c + 32 + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d1, hi), m1));
+        }
+    }
+}
+
+/* Q6_K (210 bytes, 256 values): ql[128] low nibbles, qh[64] 2-bit high parts, int8 scales[16] (one per 16
+ * values), f16 d. Value h*128 + s*32 + l (h < 2, s < 4, l < 32): ql[h*64 + (s&1)*32 + l] nibble s>>1, high bits
+ * (qh[h*32 + l] >> 2s) & 3; w = (d * scale) * (q - 32). */
+static void deq_q6_k(const uint8_t *b, float *out) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = f16(b + 208), ds[16];
+    for (int i = 0; i < 16; i++) ds[i] = d * (float)sc[i];
+    __m256i m15 = _mm256_set1_epi32(15), m30 = _mm256_set1_epi32(0x30);
+    __m256 c32 = _mm256_set1_ps(32.0f);
+    for (int h = 0; h < 2; h++)
+        for (int g = 0; g < 4; g++) {
+            int l = 8 * g, e = h * 128 + l;
+            __m256i a = load8_u8(ql + h * 64 + l), c = load8_u8(ql + h * 64 + 32 + l), x = load8_u8(qh + h * 32 + l);
+            __m256i q[4] = {
+                _mm256_or_si256(_mm256_and_si256(a, m15), _mm256_and_si256(_mm256_slli_epi32(x, 4), m30)),
+                _mm256_or_si256(_mm256_and_si256(c, m15), _mm256_and_si256(_mm256_slli_epi32(x, 2), m30)),
+                _mm256_or_si256(_mm256_srli_epi32(a, 4), _mm256_and_si256(x, m30)),
+                _mm256_or_si256(_mm256_srli_epi32(c, 4), _mm256_and_si256(_mm256_srli_epi32(x, 2), m30)),
+            };
+            for (int s = 0; s < 4; s++) {
+                __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q[s]), c32);
+                _mm256_store_ps(out + e + 32 * s, _mm256_mul_ps(_mm256_broadcast_ss(ds + (e + 32 * s) / 16), v));
+            }
+        }
+}
+
+/* Values [k0, k0 + len) of one stored row into out (len a multiple of the block size, and of 8). */
+static void deq_chunk(int qtype, const uint8_t *row, long k0, long len, float *out) {
+    switch (qtype) {
+    case T_F32:
+        memcpy(out, row + 4 * k0, 4 * len);
+        return;
+    case T_F16:
+        for (long i = 0; i < len; i += 8)
+            _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (k0 + i)))));
+        return;
+    case T_Q4_1:
+        for (long i = 0; i < len; i += 32) deq_q4_1(row + (k0 + i) / 32 * 20, out + i);
+        return;
+    case T_Q5_0:
+        for (long i = 0; i < len; i += 32) deq_q5_0(row + (k0 + i) / 32 * 22, out + i);
+        return;
+    case T_Q8_0:
+        for (long i = 0; i < len; i += 32) deq_q8_0(row + (k0 + i) / 32 * 34, out + i);
+        return;
+    case T_Q4_K:
+        for (long i = 0; i < len; i += 256) deq_q4_k(row + (k0 + i) / 256 * 144, out + i);
+        return;
+    case T_Q6_K:
+        for (long i = 0; i < len; i += 256) deq_q6_k(row + (k0 + i) / 256 * 210, out + i);
+        return;
+    }
+}
+
+int gguf_supported(int qtype) {
+    return qtype == T_F32 || qtype == T_F16 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0 ||
+           qtype == T_Q4_K || qtype == T_Q6_K;
+}
+
+/* Dequantise rows ids[0..count) (all K values) into out [count, k]. */
+void gguf_dequant_rows(const uint8_t *w, long row_bytes, int qtype, long k, const long *ids, long count, float *out) {
+    float buf[KC] __attribute__((aligned(32)));
+    for (long i = 0; i < count; i++)
+        for (long k0 = 0; k0 < k; k0 += KC) {
+            long len = k - k0 < KC ? k - k0 : KC;
+            deq_chunk(qtype, w + ids[i] * row_bytes, k0, len, buf);
+            memcpy(out + i * k + k0, buf, 4 * len);
+        }
+}
+
+/* G (1-3) x rows against the 4 scratch rows over len values: acc[(g*4 + r)*8 ..] += lane-wise x.w. */
+static inline __attribute__((always_inline)) void micro(const float *w, const float *x, long ldx, float *acc, long len,
+                                                        const int G) {
+    __m256 a[3][TILE];
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < TILE; r++) a[g][r] = _mm256_load_ps(acc + (g * TILE + r) * 8);
+    for (long j = 0; j < len; j += 8) {
+        __m256 xv[3];
+        for (int g = 0; g < G; g++) xv[g] = _mm256_loadu_ps(x + g * ldx + j);
+        for (int r = 0; r < TILE; r++) {
+            __m256 wv = _mm256_load_ps(w + r * KC + j);
+            for (int g = 0; g < G; g++) a[g][r] = _mm256_fmadd_ps(wv, xv[g], a[g][r]);
+        }
+    }
+    for (int g = 0; g < G; g++)
+        for (int r = 0; r < TILE; r++) _mm256_store_ps(acc + (g * TILE + r) * 8, a[g][r]);
+}
+
+static inline float hsum(const float *v) { return ((v[0] + v[4]) + (v[1] + v[5])) + ((v[2] + v[6]) + (v[3] + v[7])); }
+
+typedef struct {
+    const float *x;
+    const uint8_t *w;
+    float *y;
+    long m, ldx, n, k, row_bytes, ldy, tile_lo, tile_hi;
+    int qtype;
+} job_t;
+
+static void run_tiles(const job_t *j) {
+    float scratch[TILE * KC] __attribute__((aligned(32)));
+    float acc[MAX_ROWS * TILE * 8] __attribute__((aligned(32)));
+    for (long t = j->tile_lo; t < j->tile_hi; t++) {
+        long n0 = t * TILE;
+        memset(acc, 0, sizeof(float) * j->m * TILE * 8);
+        for (long k0 = 0; k0 < j->k; k0 += KC) {
+            long len = j->k - k0 < KC ? j->k - k0 : KC;
+            for (int r = 0; r < TILE; r++) {
+                if (n0 + r < j->n)
+                    deq_chunk(j->qtype, j->w + (n0 + r) * j->row_bytes, k0, len, scratch + r * KC);
+                else
+                    memset(scratch + r * KC, 0, sizeof(float) * KC);
+            }
+            long i = 0;
+            for (; i + 3 <= j->m; i += 3) micro(scratch, j->x + i * j->ldx + k0, j->ldx, acc + i * TILE * 8, len, 3);
+            if (j->m - i == 2) micro(scratch, j->x + i * j->ldx + k0, j->ldx, acc + i * TILE * 8, len, 2);
+            if (j->m - i == 1) micro(scratch, j->x + i * j->ldx + k0, j->ldx, acc + i * TILE * 8, len, 1);
+        }
+        for (long i = 0; i < j->m; i++)
+            for (int r = 0; r < TILE && n0 + r < j->n; r++) j->y[i * j->ldy + n0 + r] = hsum(acc + (i * TILE + r) * 8);
+    }
+}
+
+static void *run_tiles_thread(void *arg) {
+    run_tiles((const job_t *)arg);
+    return NULL;
+}
+
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W n stored rows of row_bytes; 1 <= m <= 64,
+ * k a multiple of the block size and of 8. Returns 0, or -1 for bad arguments. */
+int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long k, long row_bytes, int qtype, float *y,
+                long ldy, int threads) {
+    if (m < 1 || m > MAX_ROWS || k % 8 || !gguf_supported(qtype)) return -1;
+    long tiles = (n + TILE - 1) / TILE;
+    long per_thread = MIN_WORK_PER_THREAD / (m < 8 ? m : 8) + 1; /* weights per thread worth its start-up */
+    if (threads > n * k / per_thread) threads = (int)(n * k / per_thread);
+    if (threads < 1) threads = 1;
+    if (threads > tiles) threads = (int)(tiles ? tiles : 1);
+    job_t jobs[64];
+    pthread_t ids[64];
+    if (threads > 64) threads = 64;
+    for (int t = 0; t < threads; t++) {
+        jobs[t] = (job_t){x, w, y, m, ldx, n, k, row_bytes, ldy, tiles * t / threads, tiles * (t + 1) / threads, qtype};
+    }
+    int started = 0;
+    for (int t = 1; t < threads; t++) {
+        if (pthread_create(&ids[t], NULL, run_tiles_thread, &jobs[t]) != 0) break;
+        started = t;
+    }
+    run_tiles(&jobs[0]);
+    for (int t = started + 1; t < threads; t++) run_tiles(&jobs[t]);
+    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    return 0;
+}

@@ -1,0 +1,228 @@
+"""GGUF weights read as stored: build, load and call the AVX2 block-format matmul (gguf_blocks.c).
+
+Why: a float32 copy of a quantised checkpoint reads 5-7x more bytes per token than its GGUF blocks; the C
+kernel reads each block once per call for up to 64 rows of float32 activations, so verifying several draft
+tokens costs about one weight read, and the dequantised weights are gguf-py's bit for bit (kernels/gguf_ref).
+Built once per source version with the system C compiler into the SpecPilot cache, like kernels/skinny.py.
+`python -m kernels.gguf_blocks --bench MODEL.gguf` times every linear of a checkpoint against float32 F.linear.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kernels import cache_dir
+from kernels.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, qtype_id, row_bytes
+from kernels.skinny import SkinnyUnavailable, _compiler, cpu_supports_avx2_fma
+
+SOURCE = Path(__file__).with_name("gguf_blocks.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
+MAX_ROWS = 64
+
+__all__ = ["GGUFMatrix", "UnsupportedBlockType", "available", "library", "bench_model"]
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernel, building it on first use; SkinnyUnavailable says why it cannot run here."""
+    if not cpu_supports_avx2_fma():
+        raise SkinnyUnavailable("this CPU has no AVX2+FMA")
+    cc = _compiler()
+    if cc is None:
+        raise SkinnyUnavailable("no C compiler found (set CC or install gcc)")
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / "kernels" / f"gguf_blocks-{digest}.so"
+    if not target.exists():
+        _build(cc, target)
+    try:
+        lib = ctypes.CDLL(str(target))
+    except OSError:  # a damaged cached build: build it again, once
+        _build(cc, target)
+        lib = ctypes.CDLL(str(target))
+    ptr, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.gguf_matmul.argtypes = [ptr, n, n, ptr, n, n, n, i, ptr, n, i]
+    lib.gguf_matmul.restype = i
+    lib.gguf_dequant_rows.argtypes = [ptr, n, i, n, ptr, n, ptr]
+    lib.gguf_dequant_rows.restype = None
+    return lib
+
+
+def _build(cc: str, target: Path) -> None:
+    """Compile to `target` through a private temporary name (concurrent builders never see a partial file)."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
+    if done.returncode != 0:
+        os.unlink(tmp)
+        first = (done.stderr.strip().splitlines() or ["no output"])[0]
+        raise SkinnyUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
+    os.replace(tmp, target)
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here."""
+    try:
+        library()
+    except SkinnyUnavailable:
+        return False
+    return True
+
+
+class GGUFMatrix:
+    """A weight W [N, K] kept in its GGUF blocks (the caller's buffer, not copied: a read-only memmap stays
+    shared through the page cache); calling it on x [..., K] gives float32 x @ W.T [..., N]."""
+
+    def __init__(self, raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int,
+                 threads: int | None = None) -> None:
+        self.qtype = qtype_id(qtype)
+        self.name = FORMATS[self.qtype][0]
+        self.n, self.k = int(n), int(k)
+        self.row_bytes = row_bytes(self.qtype, self.k)
+        self.raw = as_raw(raw, self.qtype, self.n, self.k)
+        self.threads = threads
+        self.lib = library()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored blocks one full product reads."""
+        return self.n * self.row_bytes
+
+    def _threads(self) -> int:
+        return max(1, self.threads or torch.get_num_threads())
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> float32 [..., N]; more than 64 rows run as chunks of 64."""
+        if x.shape[-1] != self.k:
+            raise ValueError(f"x has {x.shape[-1]} features, the {self.name} weight [{self.n}, {self.k}] takes {self.k}")
+        lead = x.shape[:-1]
+        rows = x.reshape(-1, self.k).float().contiguous()
+        out = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
+        if self.k % 8:  # only F32/F16 rows can be ragged; the blocks' K is a multiple of 32
+            return F.linear(rows, self.dequantize()).view(*lead, self.n)
+        t = threads or self._threads()
+        for m0 in range(0, rows.shape[0], MAX_ROWS):
+            m = min(MAX_ROWS, rows.shape[0] - m0)
+            rc = self.lib.gguf_matmul(rows[m0].data_ptr(), m, self.k, self.raw.data_ptr(), self.n, self.k,
+                                      self.row_bytes, self.qtype, out[m0].data_ptr(), self.n, t)
+            if rc:
+                raise RuntimeError(f"gguf_matmul rejected {self.name} [{self.n}, {self.k}] with {m} rows")
+        return out.view(*lead, self.n)
+
+    def rows(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
+        """Dequantised rows W[ids] (an embedding lookup): float32 [*ids.shape, K]."""
+        idx = torch.as_tensor(ids, dtype=torch.long)
+        flat = idx.reshape(-1).contiguous()
+        if flat.numel() and (int(flat.min()) < 0 or int(flat.max()) >= self.n):
+            raise IndexError(f"row ids must be in [0, {self.n})")
+        out = torch.empty(flat.numel(), self.k, dtype=torch.float32)
+        if self.k % 8:
+            from kernels.gguf_ref import dequantize
+            return dequantize(self.raw[flat], self.qtype, flat.numel(), self.k).view(*idx.shape, self.k)
+        if flat.numel():
+            self.lib.gguf_dequant_rows(self.raw.data_ptr(), self.row_bytes, self.qtype, self.k, flat.data_ptr(),
+                                       flat.numel(), out.data_ptr())
+        return out.view(*idx.shape, self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        """The whole weight as float32 [N, K]."""
+        return self.rows(torch.arange(self.n))
+
+
+def linear_tensors(path: str) -> list[tuple[str, GGUFMatrix]]:
+    """Every 2-D weight of a GGUF file except the token embedding (an embedding is a lookup, not a product),
+    as GGUFMatrix over the file's memmap; a tied head (no output.weight) uses the embedding."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    mats, embd = [], None
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        m = GGUFMatrix(t.data, int(t.tensor_type), n, k)
+        if t.name == "token_embd.weight":
+            embd = m
+        else:
+            mats.append((t.name, m))
+    if embd is not None and not any(name == "output.weight" for name, _ in mats):
+        mats.append(("output.weight (tied)", embd))
+    return mats
+
+
+def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | None = None,
+                fp32: bool = True) -> dict[int, dict[str, float]]:
+    """ms of one pass over every linear of a GGUF checkpoint with `rows` input rows: this kernel ("gguf") and
+    (fp32) torch F.linear on float32 copies, interleaved in one process, median of `repeats`; "<name> cpu" is
+    the process CPU time of the pass divided by the threads (on a shared machine wall time includes waiting)."""
+    mats = linear_tensors(path)
+    t = threads or torch.get_num_threads()
+    torch.set_num_threads(t)
+    for _, m in mats:
+        m.threads = t
+    systems: dict[str, list] = {"gguf": [m for _, m in mats]}
+    if fp32:
+        systems["fp32"] = [lambda x, w=m.dequantize(): F.linear(x, w) for _, m in mats]
+    out: dict[int, dict[str, float]] = {}
+    with torch.inference_mode():
+        for m_rows in rows:
+            xs = [torch.randn(m_rows, m.k) for _, m in mats]
+            times: dict[str, list[float]] = {}
+            for rep in range(repeats + 1):
+                for name, fns in systems.items():
+                    t0, c0 = time.perf_counter(), time.process_time()
+                    for f, x in zip(fns, xs):
+                        f(x)
+                    if rep:
+                        times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+                        times.setdefault(f"{name} cpu", []).append((time.process_time() - c0) * 1e3 / t)
+            out[m_rows] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: time every linear of a GGUF file under this kernel and float32 F.linear, by input rows."""
+    ap = argparse.ArgumentParser(prog="python -m kernels.gguf_blocks",
+                                 description="ms per pass over a GGUF checkpoint's linears, by input rows.")
+    ap.add_argument("--bench", metavar="MODEL.gguf", required=True)
+    ap.add_argument("--rows", default="1,2,4,8,16,32,64")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--no-fp32", action="store_true", help="skip the float32 baseline (it needs 4 bytes a weight)")
+    args = ap.parse_args(argv)
+    try:
+        result = bench_model(args.bench, [int(r) for r in args.rows.split(",")], args.repeats, args.threads,
+                             not args.no_fp32)
+    except (FileNotFoundError, SkinnyUnavailable, UnsupportedBlockType) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    mats = linear_tensors(args.bench)
+    gb = sum(m.nbytes for _, m in mats) / 1e9
+    threads = args.threads or torch.get_num_threads()
+    print(f"{len(mats)} linears, {gb:.3f} GB of blocks, {threads} threads; ms per pass (wall, and CPU / threads)")
+    names = list(next(iter(result.values())))
+    print(f"{'rows':>5}" + "".join(f"{n:>11}" for n in names) + f"{'GB/s':>7}{'GB/s cpu':>9}"
+          + (f"{'fp32/gguf':>10}" if "fp32" in names else ""))
+    for m, ms in result.items():
+        line = f"{m:>5}" + "".join(f"{ms[n]:>11.1f}" for n in names)
+        line += f"{gb / ms['gguf'] * 1e3:>7.1f}{gb / ms['gguf cpu'] * 1e3:>9.1f}"
+        line += f"{ms['fp32'] / ms['gguf']:>10.2f}" if "fp32" in ms else ""
+        print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
