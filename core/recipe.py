@@ -15,7 +15,7 @@ from typing import Any
 DRAFT_METHODS = ("model", "ngram", "early_exit")
 TREE_POLICIES = ("chain", "static", "dynamic")
 SAMPLINGS = ("greedy", "seeded", "rejection", "lossy_top2")
-WEIGHT_FORMATS = ("native", "packed12")
+WEIGHT_FORMATS = ("native", "packed12", "gguf")
 BATCHING_POLICIES = ("fixed", "budget", "allocate", "cap")
 LINEAR_BACKENDS = ("native", "onednn", "skinny", "fused")
 LEGACY_FALSE = {"runtime": ("compile", "cuda_graphs")}  # keys of older recipes, never implemented when true
@@ -114,6 +114,8 @@ class Recipe:
                 raise RecipeError(f"tree.paths[{i}] must be a non-empty list of ranks >= 0, got {path!r}")
         if self.tree.policy == "static" and not self.tree.paths:
             raise RecipeError("tree.paths must list the tree's paths (lists of ranks) when tree.policy = 'static'")
+        if self.weights.format == "gguf" and self.runtime.linear != "native":
+            raise RecipeError("weights.format = 'gguf' runs its own block kernel; set runtime.linear = 'native'")
         if self.verify.sampling == "rejection" and self.tree.policy != "chain":
             raise RecipeError("verify.sampling = 'rejection' needs tree.policy = 'chain'; "
                               "use 'seeded' sampling for trees")

@@ -21,7 +21,13 @@ RECIPES = {
                                     "tree": {"policy": "chain", "depth": 3}}),
     "dynamic": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 15},
                                  "tree": {"policy": "dynamic", "depth": 4, "topk": 3, "budget": 10}}),
+    "gguf-ngram": Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6},
+                                    "weights": {"format": "gguf"}}),
+    "gguf-dynamic": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 15},
+                                      "tree": {"policy": "dynamic", "depth": 4, "topk": 3, "budget": 10},
+                                      "weights": {"format": "gguf"}}),
 }
+GGUF_AR = Recipe.from_dict({"weights": {"format": "gguf"}})
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain what a hash map is in two sentences.",
            "Fix this code: def add(a, b): return a - b"]
@@ -47,13 +53,15 @@ def _until_eos(tokens, eos):
     return tokens[: tokens.index(eos) + 1] if eos in tokens else tokens
 
 
-@pytest.mark.parametrize("name", ["ar", *RECIPES])
+@pytest.mark.parametrize("name", ["ar", "gguf-ar", *RECIPES])
 def test_smollm2_greedy_identity_against_transformers(smol, name):
+    """Weights read as stored (format gguf, the file's Q4_1/Q8_0 blocks) give transformers' float32 greedy
+    output too."""
     engine, prompts, greedy = smol
     eos = engine.target.cfg.eos_token_ids[0]
     for p, ref in zip(prompts, greedy):
-        if name == "ar":
-            ours = engine.generate([p], 24, speculative=False)
+        if name in ("ar", "gguf-ar"):
+            ours = engine.generate([p], 24, GGUF_AR if name == "gguf-ar" else None, speculative=False)
         else:
             ours = engine.generate([p], 24, RECIPES[name])
         assert _until_eos(ours.tokens[0], eos) == _until_eos(ref, eos)
@@ -146,3 +154,20 @@ def test_a_backend_that_would_not_fit_is_refused_before_it_loads(monkeypatch, tm
     assert engine._models == {}
     monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
     assert engine.generate([[1, 2, 3]], 2, fused).tokens[0] == engine.generate([[1, 2, 3]], 2, speculative=False).tokens[0]
+
+
+def test_gguf_format_reads_the_blocks_and_refuses_other_checkpoints(smol, tmp_path):
+    engine, prompts, _ = smol
+    target, _ = engine.models_for(GGUF_AR)
+    assert target.weight_format == "gguf" and type(target.lm_head).__name__ == "GGUFMatrix"
+    from core.costmodel.profile import weight_bytes
+
+    assert weight_bytes(target) < weight_bytes(engine.target) / 4  # Q4_1 blocks vs float32
+    d = mini_deployment.build(tmp_path, requests=1, max_new_tokens=4)
+    plain = Engine.load(d["target"])
+    with pytest.raises(ModelLoadError, match="needs a GGUF checkpoint"):
+        plain.generate([[1, 2, 3]], 2, GGUF_AR, speculative=False)
+    from core.recipe import RecipeError
+
+    with pytest.raises(RecipeError, match="runs its own block kernel"):
+        Recipe.from_dict({"weights": {"format": "gguf"}, "runtime": {"linear": "fused"}})

@@ -160,8 +160,9 @@ def timed_run(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], l
 
 
 def weight_bytes(model: Transformer) -> int:
-    """Parameter bytes a forward of `model` reads (tied embeddings once): weight matrices at the bits its
-    projections read (12 for packed12, 16 for the skinny kernel's bf16 panels), the rest at its dtype."""
+    """Parameter bytes a forward of `model` reads (tied embeddings once, as the head): weight matrices at the
+    bits its projections read (12 for packed12, 16 for the skinny kernel's bf16 panels, the stored blocks
+    for gguf), the rest at its dtype."""
     seen: set[int] = set()
     total = 0
 
@@ -176,13 +177,19 @@ def weight_bytes(model: Transformer) -> int:
         total += nbytes
 
     c = model.cfg
+    stored = getattr(model, "matrix_bytes", None)
+    if stored:
+        total += stored
+        seen.add(id(model.lm_head_weight))
     add(model.lm_head_weight, matrix=True)  # first: a tied embedding is read as the LM head's matrix
-    add(model.embed)
+    seen.add(id(model.embed))  # an untied embedding is a lookup: a step reads a row per token, not the matrix
     add(model.norm)
     for layer in model.layers:
         for t in (layer.attn_norm, layer.mlp_norm, layer.q_norm, layer.k_norm):
             add(t)
-        for t in layer.raw.values():
+        for key, t in layer.raw.items():
+            if stored and key != "qkv_bias":
+                continue
             add(t, matrix=True)
         if c.attention_bias:
             total += (c.num_heads + 2 * c.num_kv_heads) * c.head_dim * model.embed.element_size()

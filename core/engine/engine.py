@@ -80,7 +80,14 @@ class Engine:
         target, drafter = self.target, self.drafter_model
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         self._budget(recipe)
-        if fmt != "native":
+        if fmt == "gguf":
+            from core.engine.gguf_format import gguf_transformer, source_file
+
+            target = self._converted(fmt, lambda: gguf_transformer(self.target, source_file(self.target_dir)))
+            if recipe.weights.drafter and drafter is not None:
+                drafter = self._converted(fmt + ":drafter", lambda: gguf_transformer(
+                    self.drafter_model, source_file(self.drafter_dir)))
+        elif fmt != "native":
             from core.engine.weights import pack_transformer
 
             target = self._converted(fmt, lambda: pack_transformer(self.target))

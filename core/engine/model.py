@@ -149,6 +149,7 @@ class Transformer:
         self.num_layers = num_layers or cfg.num_layers
         self.weight_format = "native"
         self.matrix_bits: int | None = None  # bits per weight-matrix value the projections read, if not the dtype's
+        self.matrix_bytes: int | None = None  # or the bytes all weight matrices are stored in (gguf blocks)
 
         def take(name: str, required: bool = True) -> torch.Tensor | None:
             t = state.get(name)
