@@ -33,6 +33,8 @@ def loop_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--db", default=None, help="SQLite store (default: $SPECPILOT_DB or ./store.db)")
     p.add_argument("--max-requests", type=int, default=None, help="cap requests per split (quicker rounds)")
     p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
+                   help="start no round after this many minutes; the run is saved as stopped, with the reason")
     p.add_argument("--seed", type=int, default=0)
 
 

@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,7 @@ class LoopConfig:
     seed: int = 0
     limit_s: float = 120.0
     workdir: str | None = None  # candidate workspaces; default: .specpilot next to the store
+    time_budget_s: float | None = None  # stop before a round that would start after this much wall time
 
 
 def default_workdir(db: str) -> str:
@@ -191,7 +193,7 @@ class Loop:
         self.ctx = ctx
         stock = deployment_stock(d.drafter is not None)
         self._state("measuring")
-        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, cfg.limit_s, cfg.seed)
+        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, self._call_limit(ctx), cfg.seed)
         calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
         self._event("notice", {"message": f"noise floor {calibration['noise_floor']:.3f} (A/A on "
                                           f"{len(ctx.tuning)} tuning requests); stock forcing rate "
@@ -200,8 +202,15 @@ class Loop:
         incumbent, inc_ws = stock, None
         standing = {"vs_ar": stock_vs_ar.speedup, "vs_stock": 1.0, "interval": [stock_vs_ar.low, stock_vs_ar.high]}
         rounds = []
+        started = time.monotonic()
+        stopped_by = None
         for index in range(1, cfg.rounds + 1):
             if self._stop:
+                break
+            if cfg.time_budget_s is not None and time.monotonic() - started > cfg.time_budget_s:
+                stopped_by = f"time budget of {cfg.time_budget_s / 60:.1f} min spent after round {index - 1}"
+                self._event("notice", {"message": f"stopping: {stopped_by}"})
+                self._stop = True
                 break
             self._checkpoint()
             self.round = index
@@ -245,9 +254,17 @@ class Loop:
                            "gaps": report["gaps"], "predicted_tokens_per_s": report.get("predicted_tokens_per_s"),
                            "measured_tokens_per_s": report["measured_tokens_per_s"]})
         return {"run": self.run_id, "deployment": d.to_dict(), "noise_floor": judge.floor,
-                "stock_heldout_speedup_vs_ar": stock_vs_ar.speedup, "rounds": rounds}
+                "stock_heldout_speedup_vs_ar": stock_vs_ar.speedup, "rounds": rounds, "stopped_by": stopped_by}
 
     # -- steps ----------------------------------------------------------------------------------------
+
+    def _call_limit(self, ctx) -> float:
+        """A worker's wall-clock limit per request: the configured one, or ten times what our AR takes for
+        the longest request (a 1.5B model in float32 decodes 128 tokens in about a minute here)."""
+        longest = max((r.max_new_tokens for r in ctx.tuning + ctx.heldout), default=0)
+        if not ctx.ar_tokens_per_s:
+            return self.config.limit_s
+        return max(self.config.limit_s, 10 * longest / ctx.ar_tokens_per_s)
     def _propose(self, index: int, incumbent: Recipe, inc_ws: Path | None, report: dict,
                  memory: list[dict]) -> list[tuple[str, Any]]:
         from core.agents.base import AgentContext
@@ -475,6 +492,7 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
                       model=getattr(args, "model", None) or "claude-opus-5-5", auto=args.auto, db=db,
                       max_requests=getattr(args, "max_requests", None),
                       max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0) or 0,
+                      time_budget_s=60 * args.time_budget if getattr(args, "time_budget", None) else None,
                       workdir=os.environ.get("SPECPILOT_WORKDIR") or default_workdir(db))
 
 

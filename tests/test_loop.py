@@ -186,3 +186,17 @@ def test_candidate_plugin_files_are_normalised():
     from core.loop import _checked_files
 
     assert _checked_files({"./plugins/foo.py": "x = 1\n"}) == {"plugins/foo.py": "x = 1\n"}
+
+
+def test_time_budget_stops_the_run_and_says_so(mini, tmp_path):
+    """A budget spent during round 1 (0.0001 min) starts no round 2: the run is stored as stopped, with why."""
+    db = tmp_path / "store.db"
+    proc = cli(*run_argv(mini, db, "--auto", "--headless", "--json", "--time-budget", "0.0001", rounds=2,
+                         agents="local:1"), cwd=tmp_path)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    summary = json.loads(out)
+    assert len(summary["rounds"]) == 1
+    assert summary["stopped_by"].startswith("time budget of 0.0 min spent after round 1")
+    run = Store(db).list_runs()[0]
+    assert run["status"] == "stopped" and run["summary"]["stopped_by"] == summary["stopped_by"]
