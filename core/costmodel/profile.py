@@ -22,7 +22,7 @@ from core.engine.config import ModelLoadError
 from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.tree import chain_paths
-from core.recipe import LINEAR_BACKENDS, Recipe
+from core.recipe import LINEAR_BACKENDS, Recipe, RecipeError
 
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # dense where chains and trees live: the curve is lumpy there
 CHAIN_DEPTHS = (1, 2, 4, 8)
@@ -302,11 +302,22 @@ def without_products(model: Transformer) -> Transformer:
 
 
 def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
-    """The recipe's target under every linear backend that runs on this device and dtype."""
+    """The recipe's target under every linear backend that runs on this device and dtype, and whose packed
+    copies take at most a quarter of the memory available (the profiling process shares the machine with the
+    reference and the judge's workers: a 1.5B model's float32 copies are 7 GB each)."""
+    from core.engine.memory import available_bytes
+
     targets = {}
+    avail = available_bytes()
     for backend in LINEAR_BACKENDS:
         try:
-            targets[backend], _ = engine.models_for(recipe.replace(runtime={"linear": backend}))
+            variant = recipe.replace(runtime={"linear": backend})
+        except RecipeError:
+            continue  # a weight format with its own kernel (gguf) runs on no other backend
+        if backend != recipe.runtime.linear and avail is not None and engine.packed_bytes(variant) > avail / 4:
+            continue
+        try:
+            targets[backend], _ = engine.models_for(variant)
         except ModelLoadError:
             if backend == recipe.runtime.linear:
                 raise

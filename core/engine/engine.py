@@ -99,10 +99,10 @@ class Engine:
                 drafter = self._on_backend(f"{fmt}:drafter", drafter, backend)
         return target, drafter
 
-    def _budget(self, recipe: Recipe) -> None:
-        """Refuse a weight format or linear backend whose packed copies would not fit, before building them:
+    def packed_bytes(self, recipe: Recipe) -> int:
+        """Private memory the recipe's weight format and linear backend would add (copies not yet built):
         packed12 keeps ~1.6 bytes per weight; onednn 4 (float32); skinny and fused 8 (skinny's panels plus
-        oneDNN's copy for wide steps). Copies already built cost nothing more."""
+        oneDNN's copy for wide steps). gguf and native read memory-mapped weights: nothing."""
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         target = sum(m.numel() for m in self.target.matrices())
         drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
@@ -111,10 +111,16 @@ class Engine:
             needed += 1.6 * (target + (drafter if recipe.weights.drafter else 0))
         if backend != "native" and f"{fmt}+{backend}" not in self._models:
             needed += {"onednn": 4.0, "skinny": 8.0, "fused": 8.0}.get(backend, 0.0) * (target + drafter)
+        return int(needed)
+
+    def _budget(self, recipe: Recipe) -> None:
+        """Refuse, before building them, packed copies that would not fit in the memory available now."""
+        needed = self.packed_bytes(recipe)
         if needed:
             from core.engine.memory import require
 
-            require(int(needed), f"weights.format = {fmt!r} with runtime.linear = {backend!r}",
+            require(needed, f"weights.format = {recipe.weights.format!r} with runtime.linear = "
+                            f"{recipe.runtime.linear!r}",
                     "use runtime.linear = 'native' (memory-mapped, shared) or a smaller model")
 
     def _on_backend(self, key: str, model: Transformer, backend: str) -> Transformer:
