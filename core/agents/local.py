@@ -16,7 +16,7 @@ from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate
 from core.agents.diffs import make_unified_diff
 from core.deployment import Deployment
 from core.engine.tree import static_prefixes
-from core.recipe import Recipe, RecipeError
+from core.recipe import LINEAR_BACKENDS, Recipe, RecipeError
 
 MIN_GAIN = 0.01  # below this the judge's noise floor swallows the change: not worth a timing slot
 BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
@@ -264,13 +264,20 @@ class DrafterChoiceAgent(LocalAgent):
 
 
 class WeightFormatAgent(LocalAgent):
-    """Verify gap: packed12 weights read 12/16 of the bytes, which pays only where verify is memory-bound
-    and the fused kernel exists (CUDA)."""
+    """Weights and verify gaps: read the checkpoint's own GGUF blocks (exact, a quarter of float32's bytes on
+    a Q4_K model), priced on the profile's measured gguf forward curves; else packed12, which reads 12/16 of
+    the bytes and pays only where verify is memory-bound and the fused kernel exists (CUDA)."""
 
     default_name = "weight-format"
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         inc = ctx.recipe
+        curves = tools.profile.backend_curves
+        if inc.weights.format == "gguf":
+            return AgentFailure(self.name, "the weights are already read as stored (gguf): no exact format reads "
+                                           "fewer bytes")
+        if "gguf" in curves:
+            return self.gguf(ctx, tools, say, curves)
         if inc.weights.format == "packed12":
             return AgentFailure(self.name, "weights are already packed12; no other lossless format to try")
         base_pred = tools.predict(inc)
@@ -303,6 +310,24 @@ class WeightFormatAgent(LocalAgent):
         return self.candidate(ctx, new, "packed12 target weights (12/16 of the verify bytes)", rationale, speedup, say)
 
 
+    def gguf(self, ctx: AgentContext, tools: Any, say: Stream, curves: dict) -> Candidate | AgentFailure:
+        """Propose gguf weights for target and drafter when the measured curves predict a gain."""
+        inc = ctx.recipe
+        mine = tools.profile.verify_curve_for(inc.runtime.linear)
+        points = ", ".join(f"{n} nodes {curves['gguf'][n]:.0f} vs {mine[n]:.0f} ms"
+                           for n in (1, 4, 8, 16) if n in curves["gguf"] and n in mine)
+        say(f"target forward, gguf blocks vs {inc.weights.format} weights on {inc.runtime.linear}: {points}")
+        base = evaluate(tools, f"{inc.weights.format} weights", inc)
+        option = evaluate(tools, "gguf weights (target and drafter)",
+                          inc.replace(weights={"format": "gguf", "drafter": True}, runtime={"linear": "native"}))
+        say(f"gguf: predicted {option.predicted:.0f} tok/s ({pct(option.predicted, base.predicted)})")
+        rationale = ("The checkpoint's own GGUF blocks, dequantised exactly in the kernel, read far fewer bytes than "
+                     "float32 weights, and a verify step reuses each block for every node (measured forward curve); "
+                     "the values are the reference's bit for bit, so only near-ties can move: predicted "
+                     "x{speedup:.3f}.")
+        return self.finish(ctx, base, [option], "weight format", say, rationale)
+
+
 class RuntimeAgent(LocalAgent):
     """Verify and dispatch gaps on a CPU: verification runs few-row GEMMs, where the default BLAS can be much
     slower than oneDNN's or SpecPilot's skinny kernel, and some 25 small ops per layer, which the fused layer
@@ -313,9 +338,12 @@ class RuntimeAgent(LocalAgent):
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         inc = ctx.recipe
+        if inc.weights.format == "gguf":
+            return AgentFailure(self.name, "the weights are read as stored (gguf), which runs its own block kernel "
+                                           "on no linear backend: the runtime has nothing to change")
         curves = tools.profile.backend_curves
         mine = tools.profile.verify_curve_for(inc.runtime.linear)
-        others = [b for b in curves if b != inc.runtime.linear]
+        others = [b for b in curves if b in LINEAR_BACKENDS and b != inc.runtime.linear]
         if not others:
             measured = ", ".join(curves) or inc.runtime.linear
             return AgentFailure(self.name, f"no other linear backend runs here (measured: {measured}; onednn, "
@@ -501,6 +529,7 @@ BatchingAgent.needs_batch = True
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "acceptance": (TreeShapeAgent, DraftLengthAgent),
     "drafting": (DrafterChoiceAgent, DraftLengthAgent),
+    "weights": (WeightFormatAgent,),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (DraftLengthAgent, RuntimeAgent),
     "dispatch": (RuntimeAgent, DraftLengthAgent, TreeShapeAgent),

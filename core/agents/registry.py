@@ -21,6 +21,8 @@ _ITEM = re.compile(r"^\s*([a-z]+)\s*:\s*(\d+)\s*$")
 HINTS = {
     "acceptance": "lock in more tokens per verify step: tree shape (static from replay, or dynamic), draft depth",
     "drafting": "cut draft time per step: a cheaper drafter (n-gram, early exit and its layer), shorter drafts",
+    "weights": "read fewer bytes per weight, exactly: the checkpoint's own GGUF blocks (weights.format = 'gguf', "
+               "drafter = true)",
     "verify": "bring the verify step toward its bandwidth floor: a faster linear backend (runtime.linear), fewer "
               "weight bytes (packed12), fewer nodes",
     "host": "cut per-step host overhead: fewer steps per token, less Python per step",

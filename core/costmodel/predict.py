@@ -15,14 +15,14 @@ forwards and the machine's load at the time.
 Acceptance and nodes per step come from the replay: exact for chains, static and dynamic trees and n-gram
 drafting (a replay without its drafter model approximates a dynamic tree by the best static tree of the
 same budget and depth); seeded or rejection sampling on a greedy replay uses greedy acceptance. The linear
-backend acts through its own measured verify curve; the weight format only through the profile it was
-measured with.
+backend and the gguf weight format act through their own measured verify and drafter curves; other weight
+formats only through the profile they were measured with.
 """
 
 from __future__ import annotations
 
 from core.costmodel import replay as rp
-from core.costmodel.profile import Profile, interpolate
+from core.costmodel.profile import Profile, interpolate, variant_key
 from core.engine.engine import tree_spec
 from core.engine.tree import static_prefixes
 from core.recipe import Recipe
@@ -44,7 +44,7 @@ def on_backend(profile: Profile, kind: str, cost: dict, backend: str) -> dict:
     linear backend): each forward and the prompt prefill scaled by the ratio of the two backends' forward
     curves, timed interleaved; the per-call and per-level host work stays as profiled."""
     curves = profile.drafter_backend_curves
-    profiled = Recipe.from_dict(profile.recipe).runtime.linear
+    profiled = variant_key(Recipe.from_dict(profile.recipe))
     if backend == profiled or kind not in curves.get(backend, {}) or kind not in curves.get(profiled, {}):
         return cost
     new, old = curves[backend][kind], curves[profiled][kind]
@@ -60,7 +60,7 @@ def drafter_cost(profile: Profile, recipe: Recipe) -> dict:
     """The profile's costs of the recipe's drafter on the recipe's linear backend. An early exit at a depth
     that was not measured is interpolated per layer between a measured early exit and the full target
     (below the measured depth: extrapolated, but never under the measured cost scaled by layers)."""
-    backend = recipe.runtime.linear
+    backend = variant_key(recipe)
     if recipe.draft.method == "model":
         if "model" not in profile.drafters:
             raise ValueError("the profile has no measurements of a drafter model; profile a deployment with a "
@@ -132,7 +132,7 @@ def predict_detail(profile: Profile | dict, replay: rp.Replay, recipe: Recipe) -
         notes.append(f"{recipe.verify.sampling} sampling approximated by greedy acceptance")
     ph = prof.phases
     factors = load_factors(prof)
-    verify = interpolate(prof.verify_curve_for(recipe.runtime.linear), sim.mean_nodes) * factors["verify"]
+    verify = interpolate(prof.verify_curve_for(variant_key(recipe)), sim.mean_nodes) * factors["verify"]
     if kind == "ngram":
         draft, prefill = sim.draft_ms, 0.0
     else:

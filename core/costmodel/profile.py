@@ -50,7 +50,8 @@ class Profile:
     """Measured phase costs of one recipe plus the cost curves predict.py needs (ms throughout).
 
     phases: mean ms per step; other_ms: total wall time outside steps (prefill, allocation);
-    verify_curve: nodes -> target forward; backend_curves: the same curve under every runtime.linear
+    verify_curve: nodes -> target forward; backend_curves: the same curve under every runtime.linear (and
+    "gguf": weights read as stored)
     backend this device runs; drafters: per drafter ("model", "early_exit:E") its forward per width
     (curve), real draft() calls per chain depth (chain), their fit (fixed_ms per call, level_ms per level
     beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms); bytes:
@@ -301,25 +302,45 @@ def without_products(model: Transformer) -> Transformer:
     return model.without_products()
 
 
+def variant_key(recipe: Recipe) -> str:
+    """Which measured forward curve prices `recipe`: its linear backend, or "gguf" for weights read as
+    stored (that format runs its own kernel, on no linear backend)."""
+    return "gguf" if recipe.weights.format == "gguf" else recipe.runtime.linear
+
+
+def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
+    """The recipe under every linear backend (with a non-gguf weight format), and with gguf weights (target
+    and drafter) when the checkpoint came from a GGUF file: the alternatives the cost model prices."""
+    from core.engine.gguf import source
+
+    fmt = "native" if recipe.weights.format == "gguf" else recipe.weights.format
+    out = {}
+    for backend in LINEAR_BACKENDS:
+        try:
+            out[backend] = recipe.replace(weights={"format": fmt}, runtime={"linear": backend})
+        except RecipeError:
+            continue
+    if source(engine.target_dir) is not None:
+        out["gguf"] = recipe.replace(weights={"format": "gguf", "drafter": True}, runtime={"linear": "native"})
+    return out
+
+
 def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
-    """The recipe's target under every linear backend that runs on this device and dtype, and whose packed
-    copies take at most a quarter of the memory available (the profiling process shares the machine with the
-    reference and the judge's workers: a 1.5B model's float32 copies are 7 GB each)."""
+    """The recipe's target under every variant (see `variants`) that runs on this device and dtype, and
+    whose packed copies take at most a quarter of the memory available (the profiling process shares the
+    machine with the reference and the judge's workers: a 1.5B model's float32 copies are 7 GB each)."""
     from core.engine.memory import available_bytes
 
     targets = {}
     avail = available_bytes()
-    for backend in LINEAR_BACKENDS:
-        try:
-            variant = recipe.replace(runtime={"linear": backend})
-        except RecipeError:
-            continue  # a weight format with its own kernel (gguf) runs on no other backend
-        if backend != recipe.runtime.linear and avail is not None and engine.packed_bytes(variant) > avail / 4:
+    mine = variant_key(recipe)
+    for key, variant in variants(engine, recipe).items():
+        if key != mine and avail is not None and engine.packed_bytes(variant) > avail / 4:
             continue
         try:
-            targets[backend], _ = engine.models_for(variant)
+            targets[key], _ = engine.models_for(variant)
         except ModelLoadError:
-            if backend == recipe.runtime.linear:
+            if key == mine:
                 raise
     return targets
 
@@ -338,10 +359,11 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     out_len = statistics.fmean(len(t) for t in run.tokens) if run.tokens else 0.0
     context = max(1, round(prompt_len + out_len / 2))
     context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
-    curves = forward_curves({**backend_targets(engine, recipe), DISPATCH: without_products(target)}, context, NODES,
-                            repeats)
+    targets = backend_targets(engine, recipe)
+    curves = forward_curves({**targets, DISPATCH: without_products(target)}, context, NODES, repeats)
     dispatch = curves.pop(DISPATCH)
     weights = weight_bytes(target)
+    fewest = min(weight_bytes(t) for t in targets.values())
     kv = kv_bytes(target, context)
     prof = Profile(
         recipe=recipe.to_dict(),
@@ -357,8 +379,8 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         prompt_len=prompt_len,
         context_len=context,
         target_layers=target.num_layers,
-        verify_curve=curves[recipe.runtime.linear],
-        bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context},
+        verify_curve=curves[variant_key(recipe)],
+        bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context, "fewest_weights": fewest},
         backend_curves=curves,
         dispatch_curve=dispatch,
     )
@@ -369,8 +391,9 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     for kind, model in drafter_models(engine, recipe).items():
         prof.drafters[kind] = drafter_costs(model, context, prompt, widths, repeats, dynamic)
     if prof.drafters:
-        drafters = {f"{backend}|{kind}": model for backend in curves
-                    for kind, model in drafter_models(engine, recipe.replace(runtime={"linear": backend})).items()}
+        options = variants(engine, recipe)
+        drafters = {f"{key}|{kind}": model for key in curves
+                    for kind, model in drafter_models(engine, options[key]).items()}
         timed = forward_curves(drafters, context, DRAFTER_WIDTHS, repeats)
         for key, curve in timed.items():
             backend, kind = key.split("|", 1)

@@ -1,13 +1,15 @@
 """Ceiling and gap breakdown: where each millisecond per output token goes, against a physical floor.
 
 floor verify step  = bytes a verify step must read (target weights + KV at the profile's context) /
-                     measured copy bandwidth;
+                     measured copy bandwidth; the weights at the fewest bytes an exact format of this
+                     checkpoint stores them in (a GGUF checkpoint's own blocks), F_inc at the incumbent's;
 ceiling (ms/token) = floor / L_best, L_best the best replayed accepted length (best tree within the
                      largest budget, or the incumbent's if higher).
 With T output tokens over S steps (L_inc = T / S, the incumbent's measured tokens per step) and phase totals
 from the timed run, the gaps in ms per output token are
   acceptance   floor / L_inc - floor / L_best
-  verify       (verify - S * floor - S * D) / T  (verify work in the weight products beyond the floor)
+  weights      S * (F_inc - floor) / T           (bytes the incumbent's weight format reads beyond the fewest)
+  verify       (verify - S * F_inc - S * D) / T  (verify work in the weight products beyond the floor)
   dispatch     S * D / T                         (verify forwards' time outside the weight products)
   drafting     draft / T
   host         (commit + host + wall outside steps: prefill, allocation) / T - batching
@@ -42,9 +44,11 @@ def _depth(recipe: Recipe) -> int:
     return max(spec.depth if spec.kind == "dynamic" else 0, max((len(p) for p in spec.paths or []), default=0))
 
 
-def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_token: float = 0.0) -> dict:
+def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_token: float = 0.0,
+         incumbent_floor_ms: float | None = None) -> dict:
     """Measured and ceiling ms/token and the gap components, which sum to their difference."""
     T, S = prof.tokens, prof.steps
+    own_floor = floor_ms if incumbent_floor_ms is None else incumbent_floor_ms
     totals = {k: v * S for k, v in prof.phases.items()}
     measured = prof.wall_ms / T
     ceiling = floor_ms / best_length
@@ -52,7 +56,8 @@ def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_tok
     dispatch = S * interpolate(prof.dispatch_curve, prof.nodes_per_step)
     parts = {
         "acceptance": floor_ms * S / T - ceiling,
-        "verify": (totals["verify_ms"] - S * floor_ms - dispatch) / T,
+        "weights": S * (own_floor - floor_ms) / T,
+        "verify": (totals["verify_ms"] - S * own_floor - dispatch) / T,
         "dispatch": dispatch / T,
         "drafting": totals["draft_ms"] / T,
         "host": (totals["commit_ms"] + totals["host_ms"] + outside) / T - batching_ms_per_token,
@@ -91,8 +96,11 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     best = {b: rp.simulate(search, rp.best_tree(search, b, max_depth)) for b in budgets}
     incumbent = rp.run(own, tree_spec(recipe)).mean_accepted
     best_length = max([incumbent, *best.values(), *chain.values()])
-    floor_ms = 1e3 * prof.bytes["total"] / (hw["bandwidth_gb_s"] * 1e9)
-    report = gaps(prof, floor_ms, best_length, batching_ms_per_token)
+    per_ms = hw["bandwidth_gb_s"] * 1e6
+    own_floor_ms = prof.bytes["total"] / per_ms
+    fewest = min(prof.bytes["weights"], prof.bytes.get("fewest_weights", prof.bytes["weights"]))
+    floor_ms = (fewest + prof.bytes["kv"]) / per_ms
+    report = gaps(prof, floor_ms, best_length, batching_ms_per_token, own_floor_ms)
     measured_tps = 1e3 / report["measured_ms_per_token"]
     ceiling_tps = 1e3 / report["ceiling_ms_per_token"]
     predicted = predict(prof, own, recipe)
@@ -112,6 +120,7 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         "predicted_tokens_per_s": predicted,
         "above_ceiling": measured_tps > ceiling_tps,
         "floor_verify_ms": floor_ms,
+        "incumbent_floor_verify_ms": own_floor_ms,
         **report,
         "profile": prof.to_dict(),
         "replay": {
