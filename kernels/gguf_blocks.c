@@ -12,7 +12,10 @@
  *
  * Exactness: this file is compiled with -ffp-contract=off, so a dequantisation's multiply and add/subtract
  * stay two roundings as in gguf-py (d * q - m, d * q + m); only the explicit _mm256_fmadd_ps of the x.w
- * accumulation is fused. Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the
+ * accumulation is fused. (For these five formats a fused d * q - m would in fact give the same bits: the
+ * products that precede an add, Q4_K's f16 x 6-bit x 4-bit and Q4_1's f16 x 4-bit, have at most 21
+ * significant bits, so they are exact in float32 and only the add rounds. The flag keeps that from being
+ * something to re-prove for each new format.) Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the
  * fixed horizontal add ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
  */
 #include <immintrin.h>
