@@ -197,3 +197,25 @@ class GGUFTritonMatrix:
             chunk = rows[m0:m0 + MAX_ROWS]
             matmul(chunk, self.raw, self.qtype, self.n, self.k, out=out[m0:m0 + MAX_ROWS])
         return out.view(*lead, self.n)
+
+
+def compile_ahead(qtype: int | str, block_m: int = 16, block_n: int = 32, block_k: int | None = None,
+                  num_warps: int = 4, arch: int = 90) -> dict[str, str]:
+    """Compile the kernel for one block type for CUDA sm_`arch` without a GPU (Triton's own ptxas), so that a
+    machine with no device still catches what the interpreter does not check; returns Triton's asm dict
+    (ttir, ttgir, llir, ptx, cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    t = qtype_id(qtype)
+    block = FORMATS[t][1]
+    w_type = {0: "*fp32", 1: "*fp16"}.get(t, "*u8")
+    sig = {"x_ptr": "*fp32", "w_ptr": w_type, "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "ROW_STRIDE": "i32", "stride_xm": "i32", "stride_om": "i32", "QTYPE": "constexpr",
+           "PRECISION": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    consts = {"QTYPE": t, "PRECISION": "ieee", "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "BLOCK_K": block_k or (256 if block == 256 else 64)}
+    src = ASTSource(fn=_gguf_kernel, signature=sig, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return kernel.asm
