@@ -200,7 +200,7 @@ class GGUFTritonMatrix:
 
 
 def compile_ahead(qtype: int | str, block_m: int = 16, block_n: int = 32, block_k: int | None = None,
-                  num_warps: int = 4, arch: int = 90) -> dict[str, str]:
+                  num_warps: int = 4, arch: int = 90, precision: str = "ieee") -> dict[str, str]:
     """Compile the kernel for one block type for CUDA sm_`arch` without a GPU (Triton's own ptxas), so that a
     machine with no device still catches what the interpreter does not check; returns Triton's asm dict
     (ttir, ttgir, llir, ptx, cubin)."""
@@ -213,7 +213,7 @@ def compile_ahead(qtype: int | str, block_m: int = 16, block_n: int = 32, block_
     sig = {"x_ptr": "*fp32", "w_ptr": w_type, "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
            "ROW_STRIDE": "i32", "stride_xm": "i32", "stride_om": "i32", "QTYPE": "constexpr",
            "PRECISION": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
-    consts = {"QTYPE": t, "PRECISION": "ieee", "BLOCK_M": block_m, "BLOCK_N": block_n,
+    consts = {"QTYPE": t, "PRECISION": precision, "BLOCK_M": block_m, "BLOCK_N": block_n,
               "BLOCK_K": block_k or (256 if block == 256 else 64)}
     src = ASTSource(fn=_gguf_kernel, signature=sig, constexprs=consts)
     kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
