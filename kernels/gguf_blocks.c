@@ -203,6 +203,9 @@ typedef struct {
 } job_t;
 
 static void run_tiles(const job_t *j) {
+    long block = j->qtype == T_Q4_K || j->qtype == T_Q6_K ? 256 : j->qtype <= T_F16 ? 1 : 32;
+    long bsize = j->qtype == T_Q4_K ? 144 : j->qtype == T_Q6_K ? 210 : j->qtype == T_Q4_1 ? 20
+               : j->qtype == T_Q5_0 ? 22 : j->qtype == T_Q8_0 ? 34 : j->qtype == T_F16 ? 2 : 4;
     float scratch[TILE * KC] __attribute__((aligned(32)));
     float acc[MAX_ROWS * TILE * 8] __attribute__((aligned(32)));
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
@@ -210,7 +213,12 @@ static void run_tiles(const job_t *j) {
         memset(acc, 0, sizeof(float) * j->m * TILE * 8);
         for (long k0 = 0; k0 < j->k; k0 += KC) {
             long len = j->k - k0 < KC ? j->k - k0 : KC;
+            long at = k0 / block * bsize, span = len / block * bsize;
             for (int r = 0; r < TILE; r++) {
+                /* the next tile's bytes of this chunk, one tile ahead: four streams in flight, not just one */
+                const char *next = (const char *)j->w + (n0 + TILE + r) * j->row_bytes + at;
+                if (n0 + TILE + r < j->n)
+                    for (long b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
                 if (n0 + r < j->n)
                     deq_chunk(j->qtype, j->w + (n0 + r) * j->row_bytes, k0, len, scratch + r * KC);
                 else
