@@ -1,4 +1,5 @@
-"""SpecPilot's kernels: packed12 (GPU, Triton) and skinny (CPU, C via ctypes)."""
+"""SpecPilot's kernels: packed12 (GPU, Triton), skinny (CPU, C via ctypes) and the GGUF block-format matmul
+(gguf_ref reference, gguf_blocks CPU C kernel, gguf_triton GPU twin)."""
 
 import os
 from pathlib import Path

@@ -31,6 +31,7 @@ ROWS = [1, 2, 4, 8, 16, 32, 64]
 SMOKE_SHAPES = [(40, 256, "Q4_K"), (24, 512, "Q6_K"), (33, 96, "Q8_0"), (17, 64, "Q5_0"), (20, 96, "Q4_1")]
 SMOKE_ROWS = [1, 3]
 CONFIGS = [(32, 4), (64, 4), (16, 4), (64, 8)]
+PRECISIONS = ["ieee", "tf32x3"]
 
 
 def gguf_shapes(path: str) -> list[tuple[int, int, str, np.ndarray]]:
@@ -84,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         shapes = [(n, k, q, random_blocks(q, n, k, gen)) for n, k, q in (SMOKE_SHAPES if args.smoke else QWEN15B)]
 
     failures: list[str] = []
-    print(f"{'N x K':>14} {'type':>5} {'rows':>4} {'bf16 us':>9} {'gguf us':>9} {'speedup':>8} {'GB/s':>7}  config")
+    head = "".join(f" {p + ' us':>9} {'speedup':>8} {'GB/s':>7}  config" for p in PRECISIONS[:1 if args.smoke else 2])
+    print(f"{'N x K':>14} {'type':>5} {'rows':>4} {'bf16 us':>9}{head}")
     for n, k, q, raw_np in shapes:
         t = qtype_id(q)
         raw = torch.from_numpy(np.ascontiguousarray(raw_np)).to(device)
@@ -97,29 +99,36 @@ def main(argv: list[str] | None = None) -> int:
         raws = [raw] + [raw.clone() for _ in range(copies - 1)]
         wb = w.to(torch.bfloat16)
         wbs = [wb] + [wb.clone() for _ in range(copies - 1)]
+        w64 = w.double()
         del w
         for rows in rows_list:
             x = torch.randn(rows, k, generator=tgen, device=device)
             out = torch.full((rows, n), float("nan"), device=device)
             kt.matmul(x, raw, t, n, k, out=out)
-            err = rel_error(out, x.double() @ dequantize(raw, t, n, k).double().T)
+            err = rel_error(out, x.double() @ w64.T)
             if not err <= 1e-5:
                 failures.append(f"{n}x{k} {q} rows={rows}: rel err {err:.2e}")
-            best, best_cfg = math.inf, None
-            cands = CONFIGS[:1] if args.smoke or time.monotonic() - t_start > args.budget_s else CONFIGS
-            for bn, nw in cands:
-                try:
-                    us = timer(lambda i: kt.matmul(x, raws[i], t, n, k, block_n=bn, num_warps=nw), copies)
-                except Exception as e:  # a config the compiler rejects is simply not a candidate
-                    print(f"  skip n{bn}/w{nw}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
-                    continue
-                if us < best:
-                    best, best_cfg = us, f"n{bn}/w{nw}"
             xb = x.to(torch.bfloat16)
             bf16 = timer(lambda i: F.linear(xb, wbs[i]), copies)
-            gbs = raw.numel() / best / 1e3
-            print(f"{n:>7} x{k:>6} {q:>5} {rows:>4} {bf16:>9.2f} {best:>9.2f} {bf16 / best:>8.2f} {gbs:>7.1f}  "
-                  f"{best_cfg}", flush=True)
+            line = f"{n:>7} x{k:>6} {q:>5} {rows:>4} {bf16:>9.2f}"
+            for precision in PRECISIONS[:1] if args.smoke else PRECISIONS:
+                if precision != "ieee":  # tensor-core products: reported, not gated
+                    out.fill_(float("nan"))
+                    kt.matmul(x, raw, t, n, k, precision=precision, out=out)
+                    line += f" [{precision} rel err {rel_error(out, x.double() @ w64.T):.1e}]"
+                best, best_cfg = math.inf, None
+                cands = CONFIGS[:1] if args.smoke or time.monotonic() - t_start > args.budget_s else CONFIGS
+                for bn, nw in cands:
+                    try:
+                        us = timer(lambda i: kt.matmul(x, raws[i], t, n, k, block_n=bn, num_warps=nw,
+                                                       precision=precision), copies)
+                    except Exception as e:  # a config the compiler rejects is simply not a candidate
+                        print(f"  skip n{bn}/w{nw}: {type(e).__name__}: {str(e).splitlines()[0][:100]}")
+                        continue
+                    if us < best:
+                        best, best_cfg = us, f"n{bn}/w{nw}"
+                line += f" {best:>9.2f} {bf16 / best:>8.2f} {raw.numel() / best / 1e3:>7.1f}  {best_cfg}"
+            print(line, flush=True)
     print()
     if failures:
         print("CORRECTNESS FAILURES:")

@@ -8,12 +8,18 @@
  * Layout of the work: a thread owns a contiguous range of tiles of 4 output rows. For each chunk of KC = 256
  * values along K, the tile's 4 rows are dequantised into a 4 KB L1 scratch (each stored block is read once
  * per call, whatever M), then every group of up to 3 x rows is multiplied against it with 12 register
- * accumulators (lane-wise over k, kept in a small per-tile buffer between chunks).
+ * accumulators (lane-wise over k, kept in a small per-tile buffer between chunks). While a tile decodes a
+ * chunk it prefetches the next tile's bytes of the same chunk (four streams in flight; -30% CPU time on a
+ * whole-model pass, which is otherwise memory-latency bound).
  *
  * Exactness: this file is compiled with -ffp-contract=off, so a dequantisation's multiply and add/subtract
  * stay two roundings as in gguf-py (d * q - m, d * q + m); only the explicit _mm256_fmadd_ps of the x.w
- * accumulation is fused. Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the
- * fixed horizontal add ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
+ * accumulation is fused. (For these five formats a fused d * q - m would in fact give the same bits: the
+ * products that precede an add, Q4_K's f16 x 6-bit x 4-bit and Q4_1's f16 x 4-bit, have at most 21
+ * significant bits, so they are exact in float32 and only the add rounds. The flag keeps that from being
+ * something to re-prove for each new format.)
+ * Each output is the 8 lane-wise partial sums over k (k mod 8, in k order), then the fixed horizontal add
+ * ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
  */
 #include <immintrin.h>
 #include <pthread.h>
@@ -200,6 +206,9 @@ typedef struct {
 } job_t;
 
 static void run_tiles(const job_t *j) {
+    long block = j->qtype == T_Q4_K || j->qtype == T_Q6_K ? 256 : j->qtype <= T_F16 ? 1 : 32;
+    long bsize = j->qtype == T_Q4_K ? 144 : j->qtype == T_Q6_K ? 210 : j->qtype == T_Q4_1 ? 20
+               : j->qtype == T_Q5_0 ? 22 : j->qtype == T_Q8_0 ? 34 : j->qtype == T_F16 ? 2 : 4;
     float scratch[TILE * KC] __attribute__((aligned(32)));
     float acc[MAX_ROWS * TILE * 8] __attribute__((aligned(32)));
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
@@ -207,7 +216,12 @@ static void run_tiles(const job_t *j) {
         memset(acc, 0, sizeof(float) * j->m * TILE * 8);
         for (long k0 = 0; k0 < j->k; k0 += KC) {
             long len = j->k - k0 < KC ? j->k - k0 : KC;
+            long at = k0 / block * bsize, span = len / block * bsize;
             for (int r = 0; r < TILE; r++) {
+                /* the next tile's bytes of this chunk, one tile ahead: four streams in flight, not just one */
+                const char *next = (const char *)j->w + (n0 + TILE + r) * j->row_bytes + at;
+                if (n0 + TILE + r < j->n)
+                    for (long b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
                 if (n0 + r < j->n)
                     deq_chunk(j->qtype, j->w + (n0 + r) * j->row_bytes, k0, len, scratch + r * KC);
                 else

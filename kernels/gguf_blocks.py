@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels import cache_dir
-from kernels.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, qtype_id, row_bytes
+from kernels.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, dequantize, qtype_id, row_bytes
 from kernels.skinny import SkinnyUnavailable, _compiler, cpu_supports_avx2_fma
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
@@ -105,14 +105,16 @@ class GGUFMatrix:
         return max(1, self.threads or torch.get_num_threads())
 
     def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
-        """x [..., K] (any float dtype) -> float32 [..., N]; more than 64 rows run as chunks of 64."""
+        """x [..., K] (any float dtype) -> float32 [..., N]; more than 64 rows run as chunks of 64. `threads`
+        overrides the matrix's (default torch.get_num_threads()); the result's bits do not depend on it."""
         if x.shape[-1] != self.k:
-            raise ValueError(f"x has {x.shape[-1]} features, the {self.name} weight [{self.n}, {self.k}] takes {self.k}")
+            raise ValueError(f"x has {x.shape[-1]} features; the {self.name} weight [{self.n}, {self.k}] takes "
+                             f"{self.k}")
         lead = x.shape[:-1]
         rows = x.reshape(-1, self.k).float().contiguous()
         out = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
         if self.k % 8:  # only F32/F16 rows can be ragged; the blocks' K is a multiple of 32
-            return F.linear(rows, self.dequantize()).view(*lead, self.n)
+            return F.linear(rows, self.dequantize()).view(*lead, self.n)  # F32/F16 with K % 8 != 0
         t = threads or self._threads()
         for m0 in range(0, rows.shape[0], MAX_ROWS):
             m = min(MAX_ROWS, rows.shape[0] - m0)
@@ -130,7 +132,6 @@ class GGUFMatrix:
             raise IndexError(f"row ids must be in [0, {self.n})")
         out = torch.empty(flat.numel(), self.k, dtype=torch.float32)
         if self.k % 8:
-            from kernels.gguf_ref import dequantize
             return dequantize(self.raw[flat], self.qtype, flat.numel(), self.k).view(*idx.shape, self.k)
         if flat.numel():
             self.lib.gguf_dequant_rows(self.raw.data_ptr(), self.row_bytes, self.qtype, self.k, flat.data_ptr(),

@@ -9,6 +9,8 @@ Raw weights are uint8 [N, row_bytes]: N output rows, each K / block_size blocks 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -60,25 +62,12 @@ def as_raw(raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int) -> 
         t = raw.view(torch.uint8) if raw.dtype != torch.uint8 else raw
     else:
         a = np.ascontiguousarray(raw).view(np.uint8)
-        with _quiet_readonly():
+        with warnings.catch_warnings():  # read-only memmapped weights: nothing here writes to them
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             t = torch.from_numpy(a)
     if t.numel() != n * rb:
         raise ValueError(f"{t.numel()} raw bytes, expected {n} x {rb} for {FORMATS[qtype_id(qtype)][0]} [{n}, {k}]")
     return t.reshape(n, rb)
-
-
-class _quiet_readonly:
-    """torch.from_numpy warns on read-only arrays (memmapped weights); the reference never writes to them."""
-
-    def __enter__(self) -> None:
-        import warnings
-
-        self._ctx = warnings.catch_warnings()
-        self._ctx.__enter__()
-        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-
-    def __exit__(self, *exc: object) -> None:
-        self._ctx.__exit__(*exc)
 
 
 def _f16(b: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,10 @@ The twin of kernels/gguf_blocks.c with the same semantics: each weight is dequan
 operations in order (launched with enable_fp_fusion=False so that d * q - m stays two roundings) and the
 products are accumulated in float32 (tl.dot with input_precision="ieee" by default; "tf32x3" trades the last
 bits for tensor-core speed). Each program owns BLOCK_N weight rows and walks K in BLOCK_K steps; every value
-of the tile gathers its own quant byte and its block's scale bytes (L1-resident, a block's header is shared
-by 32-256 values), so the stored blocks are read from memory once per call whatever M is.
+of a 32-value-block tile gathers its own quant byte and its block's scale bytes (L1-resident, a header is shared
+by 32 values), so the stored blocks are read from memory once per call whatever M is. The K-quants
+(Q4_K, Q6_K: most of a Qwen2.5 checkpoint) instead load each 256-value block's bytes as contiguous row slices
+and its scales once per sub-block, and spread them to the values with join/permute/reshape.
 
 Importing this module imports Triton; TRITON_INTERPRET=1 must be set before that to run on CPU tensors.
 """
@@ -35,6 +37,46 @@ def _byte(ptr, off, mask):
 
 
 @triton.jit
+def _spread(v, BN: tl.constexpr, GROUPS: tl.constexpr):
+    """[BN, GROUPS] per-group values -> [BN, 256], each repeated over its 256 / GROUPS consecutive values."""
+    return tl.broadcast_to(v[:, :, None], (BN, GROUPS, 256 // GROUPS)).reshape(BN, 256)
+
+
+@triton.jit
+def _decode_superblock(w_ptr, row, k0, nm, QTYPE: tl.constexpr, BN: tl.constexpr):
+    """One 256-value block per row of the tile (BLOCK_K = 256): the bytes are loaded as contiguous row
+    slices and the scales once per sub-block, then spread to the values with join/permute/reshape, so the
+    decode costs a few loads per 32 values instead of a gather per value."""
+    if QTYPE == 12:  # Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
+        b = row + (k0 // 256) * 144
+        sub = tl.arange(0, 8)[None, :]
+        s_lo = _byte(w_ptr, b + 4 + sub % 4, nm)
+        s_mid = _byte(w_ptr, b + 8 + sub % 4, nm)
+        s_hi = _byte(w_ptr, b + 12 + sub % 4, nm)
+        sc = tl.where(sub < 4, s_lo & 63, (s_hi & 15) | ((s_lo >> 2) & 0x30))
+        mn = tl.where(sub < 4, s_mid & 63, (s_hi >> 4) | ((s_mid >> 2) & 0x30))
+        ds = _f16(w_ptr, b, nm) * sc.to(tl.float32)
+        dm = _f16(w_ptr, b + 2, nm) * mn.to(tl.float32)
+        v = _byte(w_ptr, b + 16 + tl.arange(0, 128)[None, :], nm)
+        # bytes 32c + l hold value 64c + l (low nibble) and 64c + 32 + l (high nibble)
+        q = tl.join(v & 15, v >> 4).reshape(BN, 4, 32, 2).permute(0, 1, 3, 2).reshape(BN, 256)
+        w = _spread(ds, BN, 8) * q.to(tl.float32) - _spread(dm, BN, 8)
+    else:  # Q6_K: ql[128], qh[64], int8 scales[16], f16 d
+        b = row + (k0 // 256) * 210
+        v = _byte(w_ptr, b + tl.arange(0, 128)[None, :], nm)
+        # byte h*64 + t holds value h*128 + t (low nibble) and h*128 + 64 + t (high nibble)
+        lo = tl.join(v & 15, v >> 4).reshape(BN, 2, 64, 2).permute(0, 1, 3, 2).reshape(BN, 256)
+        x = _byte(w_ptr, b + 128 + tl.arange(0, 64)[None, :], nm)
+        # byte h*32 + l holds the high bits of value h*128 + s*32 + l at bits 2s, 2s + 1
+        pairs = tl.join(tl.join(x & 3, (x >> 2) & 3), tl.join((x >> 4) & 3, x >> 6))
+        hi = pairs.reshape(BN, 2, 32, 2, 2).permute(0, 1, 4, 3, 2).reshape(BN, 256)
+        q = ((lo | (hi << 4)) - 32).to(tl.float32)
+        scale = ((_byte(w_ptr, b + 192 + tl.arange(0, 16)[None, :], nm) ^ 128) - 128).to(tl.float32)
+        w = _spread(_f16(w_ptr, b + 208, nm) * scale, BN, 16) * q
+    return w
+
+
+@triton.jit
 def _decode(w_ptr, row, kc, wm, QTYPE: tl.constexpr):
     """float32 weights W[rows, kc] of one tile, gguf-py's operations in order."""
     if QTYPE == 0:
@@ -58,32 +100,8 @@ def _decode(w_ptr, row, kc, wm, QTYPE: tl.constexpr):
         hb = (_byte(w_ptr, b + 2 + j // 8, wm) >> (j % 8)) & 1
         q = (tl.where(j < 16, v & 15, v >> 4) | (hb << 4)) - 16
         w = _f16(w_ptr, b, wm) * q.to(tl.float32)
-    elif QTYPE == 12:  # Q4_K: f16 d, f16 dmin, 12 bytes of 6-bit scales/mins, 128 bytes of nibbles
-        b = row + (kc // 256) * 144
-        j = kc % 256
-        sub = j // 32
-        s_lo = _byte(w_ptr, b + 4 + sub % 4, wm)
-        s_mid = _byte(w_ptr, b + 8 + sub % 4, wm)
-        s_hi = _byte(w_ptr, b + 12 + sub % 4, wm)
-        sc = tl.where(sub < 4, s_lo & 63, (s_hi & 15) | ((s_lo >> 2) & 0x30))
-        mn = tl.where(sub < 4, s_mid & 63, (s_hi >> 4) | ((s_mid >> 2) & 0x30))
-        v = _byte(w_ptr, b + 16 + (sub // 2) * 32 + j % 32, wm)
-        q = tl.where(sub % 2 == 0, v & 15, v >> 4).to(tl.float32)
-        ds = _f16(w_ptr, b, wm) * sc.to(tl.float32)
-        dm = _f16(w_ptr, b + 2, wm) * mn.to(tl.float32)
-        w = ds * q - dm
-    else:  # Q6_K: ql[128], qh[64], int8 scales[16], f16 d
-        b = row + (kc // 256) * 210
-        j = kc % 256
-        h = j // 128
-        s = (j % 128) // 32
-        l = j % 32
-        v = _byte(w_ptr, b + h * 64 + (s % 2) * 32 + l, wm)
-        lo = tl.where(s < 2, v & 15, v >> 4)
-        hi = (_byte(w_ptr, b + 128 + h * 32 + l, wm) >> (2 * s)) & 3
-        q = ((lo | (hi << 4)) - 32).to(tl.float32)
-        scale = ((_byte(w_ptr, b + 192 + j // 16, wm) ^ 128) - 128).to(tl.float32)
-        w = (_f16(w_ptr, b + 208, wm) * scale) * q
+    else:
+        tl.static_assert(False, "K-quants decode through _decode_superblock")
     return w
 
 
@@ -101,7 +119,10 @@ def _gguf_kernel(x_ptr, w_ptr, out_ptr, M, N, K, ROW_STRIDE, stride_xm, stride_o
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + tl.arange(0, BLOCK_K)
         k_mask = kk < K
-        w = _decode(w_ptr, row, kk[None, :], n_mask[:, None] & k_mask[None, :], QTYPE)
+        if QTYPE == 12 or QTYPE == 14:
+            w = _decode_superblock(w_ptr, row, k0, n_mask[:, None], QTYPE, BLOCK_N)
+        else:
+            w = _decode(w_ptr, row, kk[None, :], n_mask[:, None] & k_mask[None, :], QTYPE)
         xk = tl.load(x_ptr + offs_m[None, :] * stride_xm + kk[:, None], mask=m_mask[None, :] & k_mask[:, None],
                      other=0.0)
         acc = tl.dot(w, xk, acc, input_precision=PRECISION)
@@ -141,8 +162,8 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int | str, n: int, k: int,
         raise ValueError(f"x is on {x.device} but the blocks are on {w.device}")
     block = FORMATS[t][1]
     bk = block_k or (256 if block == 256 else 64)
-    if bk % min(block, 32) or (block == 256 and bk % 256):
-        raise ValueError(f"block_k {bk} must be a multiple of the {FORMATS[t][0]} block")
+    if bk % min(block, 32) or (block == 256 and bk != 256):
+        raise ValueError(f"block_k {bk} must be a multiple of the {FORMATS[t][0]} block (256 for K-quants)")
     x = x.float().contiguous()
     if out is None:
         out = torch.empty(m, n, dtype=torch.float32, device=x.device)
@@ -176,3 +197,25 @@ class GGUFTritonMatrix:
             chunk = rows[m0:m0 + MAX_ROWS]
             matmul(chunk, self.raw, self.qtype, self.n, self.k, out=out[m0:m0 + MAX_ROWS])
         return out.view(*lead, self.n)
+
+
+def compile_ahead(qtype: int | str, block_m: int = 16, block_n: int = 32, block_k: int | None = None,
+                  num_warps: int = 4, arch: int = 90, precision: str = "ieee") -> dict[str, str]:
+    """Compile the kernel for one block type for CUDA sm_`arch` without a GPU (Triton's own ptxas), so that a
+    machine with no device still catches what the interpreter does not check; returns Triton's asm dict
+    (ttir, ttgir, llir, ptx, cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    t = qtype_id(qtype)
+    block = FORMATS[t][1]
+    w_type = {0: "*fp32", 1: "*fp16"}.get(t, "*u8")
+    sig = {"x_ptr": "*fp32", "w_ptr": w_type, "out_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "ROW_STRIDE": "i32", "stride_xm": "i32", "stride_om": "i32", "QTYPE": "constexpr",
+           "PRECISION": "constexpr", "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr"}
+    consts = {"QTYPE": t, "PRECISION": precision, "BLOCK_M": block_m, "BLOCK_N": block_n,
+              "BLOCK_K": block_k or (256 if block == 256 else 64)}
+    src = ASTSource(fn=_gguf_kernel, signature=sig, constexprs=consts)
+    kernel = triton.compile(src, target=GPUTarget("cuda", arch, 32),
+                            options={"num_warps": num_warps, "enable_fp_fusion": False})
+    return kernel.asm
