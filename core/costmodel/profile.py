@@ -28,6 +28,7 @@ NODES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # dense where chains and trees live:
 CHAIN_DEPTHS = (1, 2, 4, 8)
 DYNAMIC_SHAPE = (6, 4, 24)
 DRAFTER_WIDTHS = (1, 4, 16)
+BIG_MODEL_BYTES = 1 << 30  # a target reading more than this per forward is profiled with fewer repeats
 DISPATCH = " dispatch"  # forward_curves key of the forward without weight products (no backend has a space)
 
 
@@ -350,6 +351,8 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     """Profile `recipe` on the requests (timing them unless `run` is given) and measure the cost curves."""
     run = run or timed_run(engine, recipe, prompts, limits, request_ids)
     target, _ = engine.models_for(recipe)
+    if weight_bytes(engine.target) > BIG_MODEL_BYTES:
+        repeats = min(repeats, 3)  # each forward is tens of ms or more: 3 medians suffice, 7 cost minutes
     steps = run.steps
     n = max(len(steps), 1)
     phases = {k: sum(getattr(s, k) for s in steps) / n for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms")}
