@@ -114,9 +114,14 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
         for name in names:
             runners[name] = _hf_runner(hf_systems, name, prompts, limits, deployment.device)
     runners["ar"] = _our_runner(engine, None, prompts, limits)
+    for recipe in recipes:  # AR on a recipe's own weight format too ("ar+gguf"): what the format alone buys
+        fmt = recipe.weights.format
+        if fmt != "native" and f"ar+{fmt}" not in runners:
+            runners[f"ar+{fmt}"] = _our_runner(engine, recipe, prompts, limits, speculative=False)
     for recipe in recipes:
         runners[recipe.name] = _our_runner(engine, recipe, prompts, limits)
-    results = {name: SystemResult(name, speculative=name not in (*HF_SYSTEMS, "ar")) for name in runners}
+    results = {name: SystemResult(name, speculative=name not in HF_SYSTEMS and not name.startswith("ar"))
+               for name in runners}
     for runner in runners.values():
         runner(requests[0])
     bar = tqdm(total=repeats * len(requests) * len(runners), desc="bench", file=sys.stderr, disable=not progress)
@@ -157,9 +162,10 @@ def _hf_runner(hf: HFSystems, name: str, prompts: dict, limits: dict, device: st
     return go
 
 
-def _our_runner(engine: Engine, recipe: Recipe | None, prompts: dict, limits: dict):
+def _our_runner(engine: Engine, recipe: Recipe | None, prompts: dict, limits: dict, speculative: bool = True):
     def go(request: Request) -> tuple[list[int], float, list[int]]:
-        result = engine.generate([prompts[request.id]], limits[request.id], recipe, speculative=recipe is not None)
+        result = engine.generate([prompts[request.id]], limits[request.id], recipe,
+                                 speculative=speculative and recipe is not None)
         return result.tokens[0], result.seconds, [a for s in result.steps for a in s.accepted]
     return go
 
