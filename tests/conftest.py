@@ -44,3 +44,18 @@ def pair_engine(tiny_pair):
 
     target_dir, drafter_dir, _ = tiny_pair
     return Engine.load(target_dir, drafter_dir)
+
+
+def register_test_plugin(name: str) -> str:
+    """Import tests/plugins/<name>.py into this process (it registers its mechanisms) and return the recipe
+    value that selects it. Only the tests that exercise a test-only mechanism call this."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "plugins" / f"{name}.py"
+    module_name = f"tests_plugin_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    return f"plugin:{name}"

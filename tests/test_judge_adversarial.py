@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import mini_deployment
+from conftest import register_test_plugin
 from core.deployment import Deployment
 from core.judge import Judge, Worker
 from core.recipe import builtin
@@ -93,9 +94,10 @@ def assert_no_candidate_code_imported(*workspaces: Path) -> None:
         assert not name.startswith("specpilot_plugin_"), name
         path = getattr(module, "__file__", None) or ""
         assert not any(str(Path(path).resolve()).startswith(r) for r in roots if path), (name, path)
-    plugins = sys.modules.get("core.engine.plugins")
-    if plugins is not None:
-        assert not set(plugins._TREE_POLICIES) & {"hang", "crash_exit", "fast_clock", "fake_stats"}
+    from core.mechanisms import names
+
+    assert not set(names("tree_policy")) & {"plugin:hang", "plugin:crash_exit", "plugin:fast_clock",
+                                             "plugin:fake_stats"}
 
 
 def failed_gate(verdict) -> tuple[str, str]:
@@ -104,10 +106,10 @@ def failed_gate(verdict) -> tuple[str, str]:
 
 def test_lossy_verification_fails_forcing(setting, judge, started):
     _, _, ctx, stock, _ = setting
-    lossy = stock.replace(verify={"sampling": "lossy_top2"}, draft={"method": "early_exit"})
+    lossy = stock.replace(verify={"sampling": register_test_plugin("lossy_top2")}, draft={"method": "early_exit"})
     changed = [ctx.engine.generate([r.prompt], r.max_new_tokens, lossy, [r.index]).tokens[0] for r in ctx.tuning]
     assert ctx.force(ctx.tuning, changed, lossy)["rate"] > 0.05  # precondition: it changes the output here
-    verdict = judge.evaluate(lossy, stock)
+    verdict = judge.evaluate(lossy, stock, workspace=workspace(setting, "lossy_top2"))
     assert failed_gate(verdict)[0] == "forcing"
     assert verdict.forcing["rate"] > verdict.forcing["threshold"]
     assert "tuning" not in verdict.gates and not verdict.passed
