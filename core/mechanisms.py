@@ -140,25 +140,29 @@ def check_builtin_name(kind: str, value: Any) -> None:
 
 
 def declared(workspace: str | Path | None) -> set[tuple[str, str]]:
-    """(kind, name) pairs a workspace's plugin files register, read from their text without running them:
-    calls `register("kind", "name", ...)` and `register_tree_policy("name", ...)` with literal arguments."""
-    found: set[tuple[str, str]] = set()
+    """(kind, name) pairs a workspace's plugin files register, read from their text without running them."""
     if workspace is None:
+        return set()
+    return set().union(*(declared_in(p) for p in sorted((Path(workspace) / "plugins").glob("*.py"))))
+
+
+def declared_in(path: Path) -> set[tuple[str, str]]:
+    """(kind, name) pairs one plugin file registers: calls `register("kind", "name", ...)` and
+    `register_tree_policy("name", ...)` with literal arguments, found by parsing, never by running it."""
+    found: set[tuple[str, str]] = set()
+    try:
+        tree = ast.parse(Path(path).read_text(), filename=str(path))
+    except (SyntaxError, ValueError, OSError):
         return found
-    for path in sorted((Path(workspace) / "plugins").glob("*.py")):
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except (SyntaxError, ValueError, OSError):
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
             continue
-        for node in ast.walk(tree):
-            if not isinstance(node, ast.Call):
-                continue
-            fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
-            args = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None for a in node.args]
-            if fn == "register" and len(args) >= 2 and args[0] and args[1]:
-                found.add((args[0], args[1]))
-            elif fn == "register_tree_policy" and args and args[0]:
-                found.add(("tree_policy", args[0]))
+        fn = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+        args = [a.value if isinstance(a, ast.Constant) and isinstance(a.value, str) else None for a in node.args]
+        if fn == "register" and len(args) >= 2 and args[0] and args[1]:
+            found.add((args[0], args[1]))
+        elif fn == "register_tree_policy" and args and args[0]:
+            found.add(("tree_policy", args[0]))
     return found
 
 
@@ -183,6 +187,22 @@ def check_recipe(recipe: Any, workspace: str | Path | None = None) -> None:
             continue
         extra = {PLUGIN_PREFIX + n for k, n in decl if k == kind}
         raise UnknownMechanism(_unknown(kind, value, extra))
+
+
+STAND_INS = {"drafter": "model", "tree_policy": "chain", "draft_length": "fixed", "acceptance": "greedy",
+             "batching": "fixed", "weight_format": "native", "linear_backend": "native"}
+
+
+def modelled(recipe: Any) -> Any:
+    """The recipe with each plugin mechanism replaced by its nearest built-in (STAND_INS): plugins are
+    candidate code that the loop's process never imports, so its cost model profiles such a recipe this
+    way (a plugin tree policy as a depth-matched chain, a plugin draft length as the full depth)."""
+    changes: dict[str, dict[str, str]] = {}
+    for kind, value in recipe_mechanisms(recipe):
+        if isinstance(value, str) and value.startswith(PLUGIN_PREFIX):
+            section, key = KINDS[kind].field.split(".")
+            changes.setdefault(section, {})[key] = STAND_INS[kind]
+    return recipe.replace(**changes) if changes else recipe
 
 
 def interfaces_doc() -> str:

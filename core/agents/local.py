@@ -388,6 +388,117 @@ class BatchingAgent(LocalAgent):
         return batch * accepted / ms
 
 
+ADAPTIVE_WINDOWS = (1, 2, 3, 4)
+ADAPTIVE_MARGINS = (0, 1, 2)
+ADAPTIVE_TEMPLATE = '''"""Acceptance-adaptive draft length, written by the adaptive-length agent and fitted on the tuning requests'
+replayed acceptance: draft the mean accepted tokens of the last {window} step(s) plus {margin}, at most the
+tree's depth, so a stretch the drafter gets wrong costs short drafts and an easy one keeps full depth."""
+
+from core.mechanisms import register
+
+WINDOW = {window}
+MARGIN = {margin}
+
+
+def length(depth: int, recent: list[int]) -> int:
+    if not recent:
+        return depth
+    last = recent[-WINDOW:]
+    return min(depth, round(sum(last) / len(last)) + MARGIN)
+
+
+register("draft_length", "{name}", length)
+'''
+
+
+def adaptive_depth(depth: int, recent: list[int], window: int, margin: int) -> int:
+    """What the written plugin computes (the same expression), for the agent's simulation."""
+    if not recent:
+        return depth
+    last = recent[-window:]
+    return max(1, min(depth, round(sum(last) / len(last)) + margin))
+
+
+class AdaptiveLengthAgent(LocalAgent):
+    """Drafting and host gaps, by writing code: a draft-length plugin that drafts short after steps the
+    drafter got wrong and deep after ones it got right. Every step pays a fixed host and verify cost, so on
+    easy stretches deeper drafts amortise it, and on hard ones shorter drafts stop paying for guesses that
+    will be rejected. The plugin's window and margin (and the depth it may reach) are fitted by simulating
+    it on the replayed acceptance of the tuning requests, priced with the measured per-depth step cost."""
+
+    default_name = "adaptive-length"
+
+    def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
+        inc = ctx.recipe
+        if inc.tree.policy != "chain" or inc.draft.method == "ngram":
+            return AgentFailure(self.name, f"the adaptive draft length is fitted on a model drafter's chain; the "
+                                           f"incumbent drafts {inc.draft.method} with {tree_label(inc)}")
+        if inc.draft.length != "fixed":
+            return AgentFailure(self.name, f"draft.length is already {inc.draft.length!r}")
+        replay = tools.replay(drafter_key(inc, tools.drafters), inc.draft.ngram_max)
+        runs = [_rank0_runs(t.ranks, t.prompt_len, t.n_out, len(t.tokens) - 1) for t in replay.traces]
+        deepest = max(MAX_DEPTH, inc.tree.depth)
+        cost = {c: sum(tools.step_ms(inc.replace(tree={"depth": c})).values()) for c in range(1, deepest + 1)}
+        say("step ms by draft depth: " + " ".join(f"{c}: {ms:.2f}" for c, ms in cost.items()))
+
+        def rate(rule: Callable[[int, list[int]], int], top: int) -> float:
+            tokens = ms = 0.0
+            for run, (start, n_out, last) in runs:
+                i, emitted, recent = start, 0, []
+                while emitted < n_out and i < last:
+                    c = rule(top, recent)
+                    d = min(run.get(i, 0), c, last - i - 1)
+                    ms += cost[c]
+                    recent.append(d + 1)
+                    emitted += d + 1
+                    i += d + 1
+                tokens += n_out
+            return tokens / ms if ms else 0.0
+
+        base = rate(lambda top, recent: top, inc.tree.depth)
+        best_fixed = max(range(1, deepest + 1), key=lambda d: rate(lambda top, recent: top, d))
+        fixed_rate = rate(lambda top, recent: top, best_fixed)
+        say(f"incumbent chain {inc.tree.depth}: {1e3 * base:.0f} tok/s simulated; best fixed depth {best_fixed}: "
+            f"{1e3 * fixed_rate:.0f}")
+        fits = []
+        for top in range(2, deepest + 1):
+            for w in ADAPTIVE_WINDOWS:
+                for m in ADAPTIVE_MARGINS:
+                    r = rate(lambda depth, recent, w=w, m=m: adaptive_depth(depth, recent, w, m), top)
+                    fits.append((r, -top, -w, -m))
+        r, top, w, m = max(fits)
+        top, w, m = -top, -w, -m
+        say(f"fitted: window {w}, margin {m}, depth up to {top}: {1e3 * r:.0f} tok/s simulated "
+            f"({pct(r, base)} vs the incumbent, {pct(r, fixed_rate)} vs the best fixed depth)")
+        if r < base * (1 + MIN_GAIN):
+            return AgentFailure(self.name, f"no adaptive draft length predicted above the incumbent (best: window "
+                                           f"{w}, margin {m}, depth {top}, {pct(r, base)})")
+        name = f"adaptive_w{w}_m{m}"
+        source = ADAPTIVE_TEMPLATE.format(window=w, margin=m, name=name)
+        new = inc.replace(draft={"length": f"plugin:{name}"}, tree={"depth": top}).validate()
+        speedup = r / base
+        path = f"plugins/{name}.py"
+        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
+        say.part(diff)
+        rationale = (f"Simulated on the replayed acceptance with the measured step cost per depth, drafting the mean "
+                     f"of the last {w} step(s)' accepted tokens + {m} (at most {top}) gives {pct(r, base)} over "
+                     f"chain {inc.tree.depth} and {pct(r, fixed_rate)} over the best fixed depth {best_fixed}.")
+        return Candidate(agent=self.name, title=f"Adaptive draft length plugin (window {w}, margin {m}, depth {top})",
+                         rationale=rationale, kind="recipe+plugin", diff=diff, recipe=new, files={path: source},
+                         predicted_speedup=speedup)
+
+
+def _rank0_runs(ranks: list[int], prompt_len: int, n_out: int, last: int) -> tuple[dict[int, int], tuple[int, int, int]]:
+    """For each position i a step can start from, how many of the next tokens the drafter ranks first (what
+    a chain of unlimited depth would accept), and the walk's (start, n_out, last)."""
+    run: dict[int, int] = {}
+    count = 0
+    for i in range(last - 1, prompt_len - 2, -1):
+        count = count + 1 if i + 1 < len(ranks) and ranks[i + 1] == 0 else 0
+        run[i] = count
+    return run, (prompt_len - 1, n_out, last)
+
+
 def _nodes(recipe: Recipe) -> int:
     """Draft nodes per row (the root, which is verified too, not counted)."""
     t = recipe.tree
@@ -482,7 +593,28 @@ class MemoryAgent(LocalAgent):
         names = " + ".join(str(e.get("mechanism", "unnamed")) for e in used)
         rationale = "; ".join(f"{e.get('mechanism')}: {e.get('description', '')} (won x{effect_of(e) or 0:.2f} on "
                               f"{e.get('fingerprint', 'unknown')})" for e in used)
-        return self.candidate(ctx, new, f"From memory: {names}", rationale, speedup, say)
+        files = remembered_plugins(used, ctx.workspace)
+        diff = "".join(make_unified_diff("", text, path) for path, text in files.items())
+        say.part(diff)
+        out = self.candidate(ctx, new, f"From memory: {names}", rationale, speedup, say)
+        if files:
+            out.kind, out.files, out.diff = "recipe+plugin", files, diff + out.diff
+        return out
+
+
+def remembered_plugins(entries: list[dict[str, Any]], workspace: Any) -> dict[str, str]:
+    """The plugin sources stored with remembered winners (evidence.plugins), minus files the workspace
+    already holds unchanged: what re-proposing those mechanisms needs."""
+    from pathlib import Path
+
+    files: dict[str, str] = {}
+    for entry in entries:
+        evidence = entry.get("evidence") if isinstance(entry.get("evidence"), dict) else {}
+        for path, text in (evidence.get("plugins") or {}).items():
+            here = Path(workspace) / path
+            if isinstance(text, str) and not (here.is_file() and here.read_text() == text):
+                files[str(path)] = text
+    return files
 
 
 def _fingerprint(deployment: dict[str, Any]) -> str | None:
@@ -500,11 +632,12 @@ BatchingAgent.needs_batch = True
 
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "acceptance": (TreeShapeAgent, DraftLengthAgent),
-    "drafting": (DrafterChoiceAgent, DraftLengthAgent),
+    "drafting": (DrafterChoiceAgent, DraftLengthAgent, AdaptiveLengthAgent),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
-    "host": (DraftLengthAgent, RuntimeAgent),
+    "host": (AdaptiveLengthAgent, DraftLengthAgent, RuntimeAgent),
     "dispatch": (RuntimeAgent, DraftLengthAgent, TreeShapeAgent),
     "batching": (BatchingAgent,),
 }
 DEFAULT_ORDER: tuple[type[LocalAgent], ...] = (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent,
-                                                 WeightFormatAgent, RuntimeAgent, BatchingAgent)
+                                                 WeightFormatAgent, RuntimeAgent, BatchingAgent, AdaptiveLengthAgent)
+KNOB_AGENTS = ("tree-shape", "drafter-choice", "draft-length", "weight-format", "runtime", "batching", "memory")
