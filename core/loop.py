@@ -288,7 +288,8 @@ class Loop:
         for component in uncovered(report, self.counts, self.config.local_agents):
             if component not in seen:
                 seen.add(component)
-                ms = next((g.get("ms_per_token", 0.0) for g in report.get("gaps", []) if g.get("component") == component), 0.0)
+                ms = next((g.get("ms_per_token", 0.0) for g in report.get("gaps", [])
+                           if g.get("component") == component), 0.0)
                 self._event("notice", {"message": f"no agent of this run acts on the {component} gap "
                                                   f"({ms:.2f} ms/token)"})
 

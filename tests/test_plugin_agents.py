@@ -13,7 +13,7 @@ import pytest
 import mini_deployment
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.diffs import apply_unified_diff
-from core.agents.local import KNOB_AGENTS, AdaptiveLengthAgent, MemoryAgent, adaptive_depth
+from core.agents.local import KNOB_AGENTS, AdaptiveLengthAgent, MemoryAgent, _ngram_runs, adaptive_depth
 from core.agents.registry import local_agents_for, uncovered
 from core.cli import main
 from core.costmodel.replay import Trace
@@ -72,8 +72,18 @@ def test_adaptive_length_agent_writes_the_plugin_it_fitted(tmp_path):
 
 
 def test_adaptive_length_agent_says_why_when_it_does_not_apply(tmp_path):
-    out = AdaptiveLengthAgent().propose(context(tmp_path, builtin("ngram"), BurstyTools()), lambda _: None)
-    assert isinstance(out, AgentFailure) and "model drafter's chain" in out.reason
+    out = AdaptiveLengthAgent().propose(context(tmp_path, builtin("dynamic"), BurstyTools()), lambda _: None)
+    assert isinstance(out, AgentFailure) and "fitted on a chain" in out.reason
+
+
+def test_ngram_runs_follow_the_engines_ngram_drafter():
+    """On a periodic sequence the n-gram chain copies the last period: from the first repeat on, every
+    position's chain matches as far as the copied text reaches."""
+    tokens = [1, 2, 3, 4] * 3
+    run, walk = _ngram_runs(tokens, 5, 6, 3, 8)
+    assert walk == (4, 6, 11)
+    assert run[4] == 4  # [1, 2, 3, 4, 1]: the 1 at 0 was followed by 2, 3, 4, 1, all right
+    assert run[7] == 4 and run[10] == 1  # the copy is as long as what followed the match
 
 
 def test_memory_reproposes_a_winning_plugin_with_its_source(tmp_path):

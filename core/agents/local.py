@@ -390,9 +390,10 @@ class BatchingAgent(LocalAgent):
 
 ADAPTIVE_WINDOWS = (1, 2, 3, 4)
 ADAPTIVE_MARGINS = (0, 1, 2)
-ADAPTIVE_TEMPLATE = '''"""Acceptance-adaptive draft length, written by the adaptive-length agent and fitted on the tuning requests'
-replayed acceptance: draft the mean accepted tokens of the last {window} step(s) plus {margin}, at most the
-tree's depth, so a stretch the drafter gets wrong costs short drafts and an easy one keeps full depth."""
+ADAPTIVE_TEMPLATE = '''"""Acceptance-adaptive draft length, written by the adaptive-length agent and fitted on the
+tuning requests' replayed acceptance: draft the mean accepted tokens of the last {window} step(s) plus
+{margin}, at most the tree's depth, so a stretch the drafter gets wrong costs short drafts and an easy one
+keeps full depth."""
 
 from core.mechanisms import register
 
@@ -430,14 +431,17 @@ class AdaptiveLengthAgent(LocalAgent):
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         inc = ctx.recipe
-        if inc.tree.policy != "chain" or inc.draft.method == "ngram":
-            return AgentFailure(self.name, f"the adaptive draft length is fitted on a model drafter's chain; the "
-                                           f"incumbent drafts {inc.draft.method} with {tree_label(inc)}")
+        if inc.tree.policy != "chain":
+            return AgentFailure(self.name, f"the adaptive draft length is fitted on a chain; the incumbent drafts "
+                                           f"{tree_label(inc)}")
         if inc.draft.length != "fixed":
             return AgentFailure(self.name, f"draft.length is already {inc.draft.length!r}")
-        replay = tools.replay(drafter_key(inc, tools.drafters), inc.draft.ngram_max)
-        runs = [_rank0_runs(t.ranks, t.prompt_len, t.n_out, len(t.tokens) - 1) for t in replay.traces]
         deepest = max(MAX_DEPTH, inc.tree.depth)
+        replay = tools.replay(drafter_key(inc, tools.drafters), inc.draft.ngram_max)
+        if inc.draft.method == "ngram":
+            runs = [_ngram_runs(t.tokens, t.prompt_len, t.n_out, inc.draft.ngram_max, deepest) for t in replay.traces]
+        else:
+            runs = [_rank0_runs(t.ranks, t.prompt_len, t.n_out, len(t.tokens) - 1) for t in replay.traces]
         cost = {c: sum(tools.step_ms(inc.replace(tree={"depth": c})).values()) for c in range(1, deepest + 1)}
         say("step ms by draft depth: " + " ".join(f"{c}: {ms:.2f}" for c, ms in cost.items()))
 
@@ -488,7 +492,31 @@ class AdaptiveLengthAgent(LocalAgent):
                          predicted_speedup=speedup)
 
 
-def _rank0_runs(ranks: list[int], prompt_len: int, n_out: int, last: int) -> tuple[dict[int, int], tuple[int, int, int]]:
+def _ngram_runs(tokens: list[int], prompt_len: int, n_out: int, ngram_max: int,
+                depth: int) -> tuple[dict[int, int], tuple[int, int, int]]:
+    """For each position i a step can start from, how many tokens of the n-gram drafter's chain (drafted on
+    the true context up to i, as the engine's NgramDrafter does) equal the target's next ones. A chain's
+    continuation at a shorter depth is a prefix of the deeper one, so min(run, depth) is what it accepts."""
+    from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+    from core.engine.tree import chain_paths
+
+    last = len(tokens) - 1
+    drafter = NgramDrafter(ngram_max)
+    drafter.reset([tokens[:prompt_len]], len(tokens) + depth + 4)
+    spec, mode = TreeSpec("static", chain_paths(depth)), DraftMode()
+    run: dict[int, int] = {}
+    for i in range(prompt_len - 1, last):
+        drafted = drafter.draft(spec, mode, [True])[0].tokens[1:]
+        k = 0
+        while k < len(drafted) and i + k + 1 <= last and drafted[k] == tokens[i + k + 1]:
+            k += 1
+        run[i] = k
+        drafter.commit([0], [[]], [[tokens[i + 1]]])
+    return run, (prompt_len - 1, n_out, last)
+
+
+def _rank0_runs(ranks: list[int], prompt_len: int, n_out: int,
+                last: int) -> tuple[dict[int, int], tuple[int, int, int]]:
     """For each position i a step can start from, how many of the next tokens the drafter ranks first (what
     a chain of unlimited depth would accept), and the walk's (start, n_out, last)."""
     run: dict[int, int] = {}

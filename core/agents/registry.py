@@ -113,12 +113,14 @@ def local_agents_for(report: dict[str, Any] | None, n: int, memory: list[dict[st
 
 
 def uncovered(report: dict[str, Any] | None, counts: dict[str, int], only: tuple[str, ...] | None = None) -> list[str]:
-    """Gap components no agent of the run can act on (Claude agents can act on any; a local agent acts on
-    the gaps GAP_AGENTS lists it for, where its mechanism applies)."""
+    """Gap components that lose time and that no agent of the run can act on (Claude agents can act on any;
+    a local agent acts on the gaps GAP_AGENTS lists it for, where its mechanism applies)."""
     if counts.get("claude"):
         return []
     out = []
     for g in ranked_gaps(report):
+        if float(g.get("ms_per_token", 0.0)) <= 0.0:
+            continue  # nothing lost there: no agent is needed
         able = [c for c in GAP_AGENTS.get(g["component"], ())
                 if (only is None or c.default_name in only) and _fits(c, report)]
         if not able or not counts.get("local"):
