@@ -367,7 +367,8 @@ class Loop:
             verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
             for split, samples in verdict.samples.items():
                 comp = getattr(verdict, split)
-                self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
+                if comp is not None:  # timed outputs that failed forcing have samples but no comparison
+                    self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
             failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
             pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
         return pending

@@ -22,9 +22,9 @@ import torch
 
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import Transformer
-from core.mechanisms import lookup
 from core.engine.sampling import filtered, seeded_scores
 from core.engine.tree import DraftTree, batch_tensors
+from core.mechanisms import lookup
 
 
 class GenerationError(ValueError):

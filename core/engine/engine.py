@@ -11,8 +11,8 @@ from core.engine.config import ModelLoadError
 from core.engine.decode import GenerateResult, Verification, generate
 from core.engine.drafters import Drafter, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
-from core.mechanisms import check_recipe, lookup
 from core.engine.serve import CostTable, Policy, measure_costs, serve
+from core.mechanisms import check_recipe, lookup
 from core.recipe import Recipe, builtin
 
 

@@ -31,8 +31,8 @@ from core.engine.decode import (GenerateResult, GenerationError, StepStats, Veri
                                 commit_paths, verify)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import KVCache, Transformer
-from core.mechanisms import lookup
 from core.engine.tree import DraftTree, chain_paths
+from core.mechanisms import lookup
 
 MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6
