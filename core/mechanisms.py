@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import ast
 import importlib
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PLUGIN_PREFIX = "plugin:"
+PLUGIN_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
 
 
 @dataclass(frozen=True)
@@ -133,7 +135,7 @@ def _unknown(kind: str, value: str, extra: set[str] = frozenset()) -> str:
 def check_builtin_name(kind: str, value: Any) -> None:
     """Recipe validation: a bare name must be a built-in of `kind`; a `plugin:NAME` must be well formed.
     Whether the plugin exists is checked by `check_recipe`, where the workspace is known."""
-    if isinstance(value, str) and value.startswith(PLUGIN_PREFIX) and value[len(PLUGIN_PREFIX):].isidentifier():
+    if isinstance(value, str) and value.startswith(PLUGIN_PREFIX) and PLUGIN_NAME.fullmatch(value[len(PLUGIN_PREFIX):]):
         return
     if _find(kind, value) is None:
         raise UnknownMechanism(_unknown(kind, value))

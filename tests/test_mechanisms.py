@@ -75,6 +75,12 @@ def test_unloaded_plugin_name_runs_nothing(pair_engine, section, key):
         pair_engine.serve([[1, 2, 3]], [4], recipe, max_batch=2)
 
 
+def test_malformed_plugin_name_is_refused_at_validation():
+    with pytest.raises(RecipeError, match=r"tree.policy = 'plugin:a b' is not allowed; allowed: chain, static"):
+        Recipe.from_dict({"tree": {"policy": "plugin:a b"}})
+    assert Recipe.from_dict({"tree": {"policy": "plugin:wide-root.v2"}}).tree.policy == "plugin:wide-root.v2"
+
+
 def test_plugin_cannot_shadow_a_builtin():
     with pytest.raises(UnknownMechanism, match="'greedy' is a built-in"):
         register("acceptance", "greedy", object())
