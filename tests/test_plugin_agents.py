@@ -13,7 +13,8 @@ import pytest
 import mini_deployment
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.diffs import apply_unified_diff
-from core.agents.local import KNOB_AGENTS, AdaptiveLengthAgent, MemoryAgent, _ngram_runs, adaptive_depth
+from core.agents.local import (KNOB_AGENTS, AdaptiveLengthAgent, HybridDrafterAgent, MemoryAgent, _ngram_runs,
+                               adaptive_depth)
 from core.agents.registry import local_agents_for, uncovered
 from core.cli import main
 from core.costmodel.replay import Trace
@@ -153,6 +154,7 @@ def test_adaptive_length_agent_on_the_real_cost_model(tiny_pair, tmp_path):
                                       probe_result={"bandwidth_gb_s": 20.0, "matmul_tflops": 0.1}, repeats=1)
         chunks: list[str] = []
         out = AdaptiveLengthAgent().propose(context(tmp_path, tools=tools), chunks.append)
+        hybrid = HybridDrafterAgent().propose(context(tmp_path, tools=tools), lambda _: None)
     finally:
         torch.set_num_threads(before)
     assert "step ms by draft depth: 1:" in "".join(chunks)
@@ -161,3 +163,49 @@ def test_adaptive_length_agent_on_the_real_cost_model(tiny_pair, tmp_path):
         assert out.recipe.draft.length == "plugin:" + Path(path).stem and "register(\"draft_length\"" in source
     else:
         assert out.reason.startswith("no adaptive draft length predicted above the incumbent"), out.reason
+    if isinstance(hybrid, Candidate):
+        assert hybrid.recipe.draft.method.startswith("plugin:hybrid_m") and len(hybrid.files) == 1
+    else:
+        assert hybrid.reason.startswith("no two-level drafter predicted above the incumbent"), hybrid.reason
+
+
+def test_hybrid_drafter_plugin_is_lossless_against_the_reference(pair_engine, tiny_pair, one_thread):
+    """The two-level drafter the hybrid agent writes, run by the engine: token forcing against the
+    transformers reference passes, and its steps both look up (no model forward) and use the model."""
+    from tiny_models import repeating_prompts
+
+    from core import forcing
+    from core.agents.local import HYBRID_TEMPLATE
+    from core.recipe import Recipe
+
+    source = HYBRID_TEMPLATE.replace("{model_depth}", "3").replace("{name}", "hybrid_test")
+    exec(compile(source, "plugins/hybrid_test.py", "exec"), {})
+    recipe = Recipe.from_dict({"draft": {"method": "plugin:hybrid_test"}, "tree": {"depth": 6}})
+    prompts, limits = repeating_prompts([6, 11, 4], 101, 1), [24, 17, 20]
+    result = forcing.compare(pair_engine, recipe, prompts, limits, tiny_pair[2])
+    assert result["passed"] and result["tokens"] == sum(limits), result
+    drafter = pair_engine.drafter_for(recipe)
+    used = []
+    original = drafter.model.draft
+    drafter.model.draft = lambda *a: used.append(1) or original(*a)
+    steps = pair_engine.generate([prompts[0]], 24, recipe).steps
+    assert 0 < len(used) < len(steps)  # some steps looked up, some drafted with the model
+
+
+def test_hybrid_drafter_agent_fits_and_writes_its_plugin(tmp_path):
+    class Tools(BurstyTools):
+        def __init__(self) -> None:
+            super().__init__()
+            period = [7, 8, 9, 10, 11, 12]
+            tokens = list(range(100, 140)) + period * 8 + list(range(200, 240))
+            ranks = [0] * 40 + [1] * len(period) * 8 + [0] * 40
+            self.traces = [Trace(tokens, 5, len(tokens) - 16, 0, ranks)]
+
+    out = HybridDrafterAgent().propose(context(tmp_path, tools=Tools()), lambda _: None)
+    assert isinstance(out, Candidate), out
+    (path, source), = out.files.items()
+    name = out.recipe.draft.method.removeprefix("plugin:")
+    assert path == f"plugins/{name}.py" and out.kind == "recipe+plugin" and out.predicted_speedup > 1.01
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / path).write_text(source)
+    assert declared_in(tmp_path / path) == {("drafter", name)}

@@ -492,6 +492,142 @@ class AdaptiveLengthAgent(LocalAgent):
                          predicted_speedup=speedup)
 
 
+HYBRID_TEMPLATE = '''"""Two-level drafting, written by the hybrid-drafter agent and fitted on the tuning requests' replay:
+draft by n-gram lookup (max n = the recipe's draft.ngram_max, to the tree's depth) when the context has a
+match, and with the drafter model (to depth {model_depth}) when it has none. The model's cache catches up
+on the tokens committed meanwhile at its next draft, so a lookup step costs no model forward."""
+
+from core.engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from core.mechanisms import register
+
+MODEL_DEPTH = {model_depth}
+
+
+class Hybrid(Drafter):
+    def __init__(self, ngram, model):
+        self.ngram, self.model = ngram, model
+
+    def reset(self, prompts, max_len):
+        self.ngram.reset(prompts, max_len)
+        self.model.reset(prompts, max_len)
+
+    def open(self, max_batch, max_len):
+        self.ngram.open(max_batch, max_len)
+        self.model.open(max_batch, max_len)
+
+    def admit(self, prompt):
+        self.ngram.admit(prompt)
+        return self.model.admit(prompt)
+
+    def move(self, src, dst):
+        self.ngram.move(src, dst)
+        self.model.move(src, dst)
+
+    def drop_last(self):
+        self.ngram.drop_last()
+        self.model.drop_last()
+
+    def draft(self, spec, mode, active):
+        trees = self.ngram.draft(spec, mode, active)
+        if all(len(t) > 1 for t, a in zip(trees, active) if a):
+            return trees
+        return self.model.draft(spec.shortened(MODEL_DEPTH), mode, active)
+
+    def commit(self, rows, paths, tokens):
+        self.ngram.commit(rows, paths, tokens)
+        self.model.commit(rows, paths, tokens)
+
+
+def build(engine, recipe, target, drafter_model):
+    if drafter_model is None:
+        raise ValueError("the hybrid drafter needs a drafter checkpoint (--drafter DIR)")
+    return Hybrid(NgramDrafter(recipe.draft.ngram_max), ModelDrafter(drafter_model))
+
+
+register("drafter", "{name}", build)
+'''
+
+
+class HybridDrafterAgent(LocalAgent):
+    """Drafting and acceptance gaps, by writing code: a drafter plugin that drafts by n-gram lookup where the
+    context has a match (nearly free, long when it hits) and with the drafter model where it has none (so a
+    step without a match still accepts more than the bonus token). The two depths are fitted by simulating
+    it on the tuning requests' replay: the engine's n-gram drafter on the true contexts, the model's ranks
+    from teacher forcing, each step priced with the measured step cost of its drafter at its depth."""
+
+    default_name = "hybrid-drafter"
+
+    def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
+        inc = ctx.recipe
+        if "model" not in tools.drafters or inc.tree.policy != "chain" or inc.draft.method not in ("model", "ngram"):
+            return AgentFailure(self.name, f"two-level drafting needs a drafter model and a chain; the incumbent "
+                                           f"drafts {inc.draft.method} with {tree_label(inc)}")
+        deepest = max(12, inc.tree.depth)
+        model_replay = tools.replay("model")
+        ngram_replay = tools.replay("ngram", inc.draft.ngram_max)
+        model_runs = {t.request_id: _rank0_runs(t.ranks, t.prompt_len, t.n_out, len(t.tokens) - 1)[0]
+                      for t in model_replay.traces}
+        walks = []
+        for t in ngram_replay.traces:
+            run, walk = _ngram_runs(t.tokens, t.prompt_len, t.n_out, inc.draft.ngram_max, deepest)
+            matched = _ngram_matches(t.tokens, t.prompt_len, inc.draft.ngram_max)
+            walks.append((run, matched, model_runs.get(t.request_id, {}), walk))
+        price = {(m, c): sum(tools.step_ms(inc.replace(draft={"method": m}, tree={"depth": c})).values())
+                 for m in ("model", "ngram") for c in range(1, deepest + 1)}
+
+        def rate(ngram_depth: int, model_depth: int, mode: str) -> float:
+            tokens = ms = 0.0
+            for run, matched, mrun, (start, n_out, last) in walks:
+                i, emitted = start, 0
+                while emitted < n_out and i < last:
+                    lookup = mode == "ngram" or (mode == "hybrid" and matched.get(i, False))
+                    if lookup:
+                        d, ms = min(run.get(i, 0), ngram_depth, last - i - 1), ms + price[("ngram", ngram_depth)]
+                    else:
+                        d, ms = min(mrun.get(i, 0), model_depth, last - i - 1), ms + price[("model", model_depth)]
+                    emitted += d + 1
+                    i += d + 1
+                tokens += n_out
+            return tokens / ms if ms else 0.0
+
+        depth = inc.tree.depth
+        base = rate(depth, depth, inc.draft.method)
+        say(f"incumbent {inc.draft.method} chain {depth}: {1e3 * base:.0f} tok/s simulated")
+        best = max((rate(c, m, "hybrid"), -c, -m) for c in range(1, deepest + 1)
+                   for m in range(1, min(c, MAX_DEPTH) + 1))  # the model drafts at most the tree's depth
+        r, c, m = best[0], -best[1], -best[2]
+        say(f"fitted: n-gram lookup to depth {c} where the context matches, the model to depth {m} elsewhere: "
+            f"{1e3 * r:.0f} tok/s simulated ({pct(r, base)})")
+        if r < base * (1 + MIN_GAIN):
+            return AgentFailure(self.name, f"no two-level drafter predicted above the incumbent (best: n-gram depth "
+                                           f"{c}, model depth {m}, {pct(r, base)})")
+        name = f"hybrid_m{m}"
+        source = HYBRID_TEMPLATE.replace("{model_depth}", str(m)).replace("{name}", name)
+        new = inc.replace(draft={"method": f"plugin:{name}"}, tree={"depth": c}).validate()
+        path = f"plugins/{name}.py"
+        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
+        say.part(diff)
+        rationale = (f"Simulated on the replay with each drafter's measured step cost: n-gram lookup to depth {c} "
+                     f"where the context has a match and the drafter model to depth {m} elsewhere gives "
+                     f"{pct(r, base)} over the incumbent {inc.draft.method} chain {depth}.")
+        return Candidate(agent=self.name, title=f"Two-level drafter plugin (n-gram depth {c}, model depth {m})",
+                         rationale=rationale, kind="recipe+plugin", diff=diff, recipe=new, files={path: source},
+                         predicted_speedup=r / base)
+
+
+def _ngram_matches(tokens: list[int], prompt_len: int, ngram_max: int) -> dict[int, bool]:
+    """For each position a step can start from, whether the engine's n-gram drafter finds a match there."""
+    from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+
+    drafter = NgramDrafter(ngram_max)
+    drafter.reset([tokens[:prompt_len]], len(tokens) + 8)
+    spec, mode, out = TreeSpec("static", [[0]]), DraftMode(), {}
+    for i in range(prompt_len - 1, len(tokens) - 1):
+        out[i] = len(drafter.draft(spec, mode, [True])[0]) > 1
+        drafter.commit([0], [[]], [[tokens[i + 1]]])
+    return out
+
+
 def _ngram_runs(tokens: list[int], prompt_len: int, n_out: int, ngram_max: int,
                 depth: int) -> tuple[dict[int, int], tuple[int, int, int]]:
     """For each position i a step can start from, how many tokens of the n-gram drafter's chain (drafted on
@@ -659,13 +795,14 @@ RuntimeAgent.cpu_only = True
 BatchingAgent.needs_batch = True
 
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
-    "acceptance": (TreeShapeAgent, DraftLengthAgent),
-    "drafting": (DrafterChoiceAgent, DraftLengthAgent, AdaptiveLengthAgent),
+    "acceptance": (TreeShapeAgent, DraftLengthAgent, HybridDrafterAgent),
+    "drafting": (DrafterChoiceAgent, DraftLengthAgent, AdaptiveLengthAgent, HybridDrafterAgent),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (AdaptiveLengthAgent, DraftLengthAgent, RuntimeAgent),
     "dispatch": (RuntimeAgent, DraftLengthAgent, TreeShapeAgent),
     "batching": (BatchingAgent,),
 }
 DEFAULT_ORDER: tuple[type[LocalAgent], ...] = (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent,
-                                                 WeightFormatAgent, RuntimeAgent, BatchingAgent, AdaptiveLengthAgent)
+                                                 WeightFormatAgent, RuntimeAgent, BatchingAgent, AdaptiveLengthAgent,
+                                                 HybridDrafterAgent)
 KNOB_AGENTS = ("tree-shape", "drafter-choice", "draft-length", "weight-format", "runtime", "batching", "memory")
