@@ -492,8 +492,8 @@ class AdaptiveLengthAgent(LocalAgent):
                          predicted_speedup=speedup)
 
 
-HYBRID_TEMPLATE = '''"""Two-level drafting, written by the hybrid-drafter agent and fitted on the tuning requests' replay:
-draft by n-gram lookup (max n = the recipe's draft.ngram_max, to the tree's depth) when the context has a
+HYBRID_TEMPLATE = '''"""Two-level drafting, written by the hybrid-drafter agent and fitted on the tuning requests'
+replay: draft by n-gram lookup (max n = the recipe's draft.ngram_max, to the tree's depth) when the context has a
 match, and with the drafter model (to depth {model_depth}) when it has none. The model's cache catches up
 on the tokens committed meanwhile at its next draft, so a lookup step costs no model forward."""
 
@@ -559,7 +559,8 @@ class HybridDrafterAgent(LocalAgent):
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         inc = ctx.recipe
-        if "model" not in tools.drafters or inc.tree.policy != "chain" or inc.draft.method not in ("model", "ngram"):
+        if ("model" not in tools.drafters or inc.tree.policy != "chain"
+                or inc.draft.method not in ("model", "ngram")):
             return AgentFailure(self.name, f"two-level drafting needs a drafter model and a chain; the incumbent "
                                            f"drafts {inc.draft.method} with {tree_label(inc)}")
         deepest = max(12, inc.tree.depth)
