@@ -28,6 +28,9 @@ def loop_options(p: argparse.ArgumentParser) -> None:
     deployment_options(p)
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--agents", default="local:4", help="e.g. local:4,claude:2")
+    p.add_argument("--local-agents", default=None,
+                   help="only these local agents, by name (comma list), or 'knobs' for the ones that only set "
+                        "recipe fields (default: all)")
     p.add_argument("--model", default="claude-opus-5-5", help="Claude model for claude agents")
     p.add_argument("--auto", action="store_true", help="approve candidates that pass every gate")
     p.add_argument("--db", default=None, help="SQLite store (default: $SPECPILOT_DB or ./store.db)")

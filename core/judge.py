@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Callable
 
 from core.deployment import Deployment
+from core.mechanisms import UnknownMechanism, check_recipe
 from core.recipe import Recipe
 from core.stats import Comparison, compare, noise_floor, speedups
 
@@ -423,6 +424,11 @@ class Judge:
                 on_gate(name, passed, detail)
             return passed
 
+        try:
+            check_recipe(recipe, workspace)
+        except UnknownMechanism as exc:
+            gate("applies", False, str(exc))
+            return verdict
         gate("applies", True, "recipe validated")
         own_worker = _has_plugins(incumbent_workspace)  # plugin code never enters the baseline worker
         with self.lock:

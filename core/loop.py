@@ -40,6 +40,7 @@ class LoopConfig:
     limit_s: float = 120.0
     workdir: str | None = None  # candidate workspaces; default: .specpilot next to the store
     time_budget_s: float | None = None  # stop before a round that would start after this much wall time
+    local_agents: tuple[str, ...] | None = None  # the local agents a run may use, by name (None = all)
 
 
 def default_workdir(db: str) -> str:
@@ -204,8 +205,10 @@ class Loop:
         rounds = []
         started = time.monotonic()
         stopped_by = None
+        uncovered_seen: set[str] = set()
+        stop_reason = None
         for index in range(1, cfg.rounds + 1):
-            if self._stop:
+            if self._stop or stop_reason:
                 break
             if cfg.time_budget_s is not None and time.monotonic() - started > cfg.time_budget_s:
                 stopped_by = f"time budget of {cfg.time_budget_s / 60:.1f} min spent after round {index - 1}"
@@ -224,7 +227,11 @@ class Loop:
             round_id = self.store.start_round(self.run_id, index, {k: report[k] for k in (
                 "measured_tokens_per_s", "ceiling_tokens_per_s", "gaps", "largest_gap")})
             self._checkpoint()
+            self._say_uncovered(report, uncovered_seen)
             candidates = self._propose(index, incumbent, inc_ws, report, memory)
+            idle = _idle_reason(candidates)
+            if idle:
+                self._event("notice", {"message": f"round {index}: no candidate: {idle}"})
             self._state("judging")
             pending = self._judge(judge, candidates, incumbent, inc_ws, round_id)
             approved = self._await_decisions(pending)
@@ -252,9 +259,16 @@ class Loop:
                                          "heldout_speedup_vs_stock": standing["vs_stock"],
                                          "interval": standing["interval"]},
                            "gaps": report["gaps"], "predicted_tokens_per_s": report.get("predicted_tokens_per_s"),
-                           "measured_tokens_per_s": report["measured_tokens_per_s"]})
-        return {"run": self.run_id, "deployment": d.to_dict(), "noise_floor": judge.floor,
-                "stock_heldout_speedup_vs_ar": stock_vs_ar.speedup, "rounds": rounds, "stopped_by": stopped_by}
+                           "measured_tokens_per_s": report["measured_tokens_per_s"], "idle": idle})
+            if idle and index < cfg.rounds:
+                stop_reason = f"round {index} had no candidate ({idle}); the incumbent is unchanged, so later rounds " \
+                              "would propose from the same state"
+                self._event("notice", {"message": f"stopping early: {stop_reason}"})
+        summary = {"run": self.run_id, "deployment": d.to_dict(), "noise_floor": judge.floor,
+                   "stock_heldout_speedup_vs_ar": stock_vs_ar.speedup, "rounds": rounds, "stopped_by": stopped_by}
+        if stop_reason:
+            summary["stopped_early"] = stop_reason
+        return summary
 
     # -- steps ----------------------------------------------------------------------------------------
 
@@ -265,20 +279,49 @@ class Loop:
         if not ctx.ar_tokens_per_s:
             return self.config.limit_s
         return max(self.config.limit_s, 10 * longest / ctx.ar_tokens_per_s)
+
     def _propose(self, index: int, incumbent: Recipe, inc_ws: Path | None, report: dict,
                  memory: list[dict]) -> list[tuple[str, Any]]:
-        from core.agents.base import AgentContext
         from core.agents.registry import directions, make_agents
 
         self._state("proposing")
         agents = make_agents(self.config.agents, self.config.seed + index, self.config.model, report=report,
-                             memory=memory, incumbent=incumbent)
-        dirs = directions(report, len(agents))
+                             memory=memory, incumbent=incumbent, only=self.config.local_agents)
+        results = self._run_agents(index, agents, directions(report, len(agents)), 0, incumbent, inc_ws, report,
+                                   memory)
+        if _idle_reason(results):  # nothing for the largest gaps: the agents not yet tried, on the next gaps
+            tried = tuple(a.name for a in agents)
+            more = make_agents(self.config.agents, self.config.seed + index, self.config.model, report=report,
+                               memory=memory, incumbent=incumbent, only=self.config.local_agents, skip=tried)
+            if more:
+                self._event("notice", {"message": f"no candidate for the largest gaps; trying "
+                                                  f"{', '.join(a.name for a in more)} on the next ones"})
+                dirs = directions(report, len(agents) + len(more))[len(agents):]
+                results += self._run_agents(index, more, dirs, len(agents), incumbent, inc_ws, report, memory)
+        return results
+
+    def _say_uncovered(self, report: dict, seen: set[str]) -> None:
+        """Once per run, one line for each gap component that no agent of this run can act on."""
+        from core.agents.registry import uncovered
+
+        for component in uncovered(report, self.counts, self.config.local_agents):
+            if component not in seen:
+                seen.add(component)
+                ms = next((g.get("ms_per_token", 0.0) for g in report.get("gaps", [])
+                           if g.get("component") == component), 0.0)
+                self._event("notice", {"message": f"no agent of this run acts on the {component} gap "
+                                                  f"({ms:.2f} ms/token)"})
+
+    def _run_agents(self, index: int, agents: list, dirs: list[str], offset: int, incumbent: Recipe,
+                    inc_ws: Path | None, report: dict, memory: list[dict]) -> list[tuple[str, Any]]:
+        """Run `agents` in parallel threads; candidate ids continue after `offset`."""
+        from core.agents.base import AgentContext
+
         results: list[tuple[str, Any]] = [None] * len(agents)
 
         def work(i: int) -> None:
             agent = agents[i]
-            cid = f"{self.run_id}-r{index}-c{i + 1}"  # unique across the store: runs share it
+            cid = f"{self.run_id}-r{index}-c{offset + i + 1}"  # unique across the store: runs share it
             ws = self._candidate_workspace(cid, inc_ws)
             self._event("agent_started", {"cid": cid, "agent": agent.name, "direction": dirs[i]})
             context = AgentContext(deployment=self.config.deployment.to_dict(), recipe=incumbent, cost_report=report,
@@ -343,7 +386,8 @@ class Loop:
             verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
             for split, samples in verdict.samples.items():
                 comp = getattr(verdict, split)
-                self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
+                if comp is not None:  # timed outputs that failed forcing have samples but no comparison
+                    self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
             failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
             pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
         return pending
@@ -413,12 +457,14 @@ class Loop:
         for p in evidence:
             fragment = _fragment(p.recipe, previous.to_dict())
             comp = p.verdict.heldout
+            plugins = _plugin_sources(p.recipe, self.workspace / p.cid)
             self.store.add_memory({
                 "mechanism": p.candidate.title, "description": p.candidate.rationale, "fragment": fragment,
                 "fingerprint": d.fingerprint(),
                 "effect": comp.speedup,
                 "evidence": {"run": self.run_id, "round": self.round, "cid": p.cid, "interval": [comp.low, comp.high],
-                             "tuning": p.verdict.tuning.to_dict(), "heldout": comp.to_dict()},
+                             "tuning": p.verdict.tuning.to_dict(), "heldout": comp.to_dict(),
+                             **({"plugins": plugins} if plugins else {})},
             })
 
     @staticmethod
@@ -432,6 +478,25 @@ class Loop:
                 "heldout_speedup": held.speedup if held else None,
                 "interval": [held.low, held.high] if held else None,
                 "forcing_rate": v.forcing["rate"] if v.forcing else None}
+
+
+def _idle_reason(results: list[tuple[str, Any]]) -> str | None:
+    """None when some agent proposed a candidate; else why none did, one agent per clause."""
+    from core.agents.base import AgentFailure
+
+    if not results or any(not isinstance(out, AgentFailure) for _, out in results):
+        return None if results else "no agent ran"
+    return "; ".join(f"{out.agent}: {out.reason}" for _, out in results)
+
+
+def _plugin_sources(recipe: Recipe, workspace: Path) -> dict[str, str]:
+    """The workspace plugin files that register a plugin the recipe names (path -> source), so memory can
+    re-propose the mechanism in a later run; read as text, never imported."""
+    from core.mechanisms import PLUGIN_PREFIX, declared_in, recipe_mechanisms
+
+    wanted = {(k, v.removeprefix(PLUGIN_PREFIX)) for k, v in recipe_mechanisms(recipe) if v.startswith(PLUGIN_PREFIX)}
+    return {f"plugins/{path.name}": path.read_text() for path in sorted((workspace / "plugins").glob("*.py"))
+            if wanted & declared_in(path)}
 
 
 def _combine(incumbent: Recipe, winners: list[Recipe]) -> Recipe | None:
@@ -493,7 +558,26 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
                       max_requests=getattr(args, "max_requests", None),
                       max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0) or 0,
                       time_budget_s=60 * args.time_budget if getattr(args, "time_budget", None) else None,
-                      workdir=os.environ.get("SPECPILOT_WORKDIR") or default_workdir(db))
+                      workdir=os.environ.get("SPECPILOT_WORKDIR") or default_workdir(db),
+                      local_agents=parse_local_agents(getattr(args, "local_agents", None)))
+
+
+def parse_local_agents(spec: str | None) -> tuple[str, ...] | None:
+    """--local-agents: None (all), 'knobs' (the agents that only set recipe fields), or a comma list of names;
+    an unknown name is a ValueError listing the known ones."""
+    from core.agents.local import DEFAULT_ORDER, KNOB_AGENTS, MemoryAgent
+
+    if spec is None:
+        return None
+    if spec.strip() == "knobs":
+        return KNOB_AGENTS
+    known = [c.default_name for c in (*DEFAULT_ORDER, MemoryAgent)]
+    names = tuple(n.strip() for n in spec.split(",") if n.strip())
+    bad = [n for n in names if n not in known]
+    if bad or not names:
+        raise ValueError(f"--local-agents: unknown agent {bad[0] if bad else spec!r}; known: {', '.join(known)}, "
+                         "or 'knobs'")
+    return names
 
 
 def build_loop(args: argparse.Namespace) -> Loop:

@@ -12,14 +12,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-DRAFT_METHODS = ("model", "ngram", "early_exit")
-TREE_POLICIES = ("chain", "static", "dynamic")
-SAMPLINGS = ("greedy", "seeded", "rejection", "lossy_top2")
-WEIGHT_FORMATS = ("native", "packed12", "gguf")
-BATCHING_POLICIES = ("fixed", "budget", "allocate", "cap")
-LINEAR_BACKENDS = ("native", "onednn", "skinny", "fused")
+from core.mechanisms import PLUGIN_PREFIX, UnknownMechanism, builtin_names, check_builtin_name  # noqa: F401
+
 LEGACY_FALSE = {"runtime": ("compile", "cuda_graphs")}  # keys of older recipes, never implemented when true
-PLUGIN_PREFIX = "plugin:"
+
+
+def __getattr__(name: str) -> tuple[str, ...]:
+    """The built-in names of a kind, from the registry (kept under their old constant names)."""
+    kinds = {"DRAFT_METHODS": "drafter", "TREE_POLICIES": "tree_policy", "SAMPLINGS": "acceptance",
+             "WEIGHT_FORMATS": "weight_format", "BATCHING_POLICIES": "batching", "LINEAR_BACKENDS": "linear_backend",
+             "DRAFT_LENGTHS": "draft_length"}
+    if name in kinds:
+        return builtin_names(kinds[name])
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RecipeError(ValueError):
@@ -31,6 +36,7 @@ class DraftSection:
     method: str = "model"
     exit_layer: int = 0
     ngram_max: int = 3
+    length: str = "fixed"
 
 
 @dataclass
@@ -92,12 +98,14 @@ class Recipe:
 
     def validate(self) -> "Recipe":
         """Raise RecipeError naming the first bad field; return self so calls chain."""
-        _choice("draft.method", self.draft.method, DRAFT_METHODS)
-        _choice("tree.policy", self.tree.policy, TREE_POLICIES, plugins=True)
-        _choice("verify.sampling", self.verify.sampling, SAMPLINGS, plugins=True)
-        _choice("weights.format", self.weights.format, WEIGHT_FORMATS)
-        _choice("runtime.linear", self.runtime.linear, LINEAR_BACKENDS)
-        _choice("batching.policy", self.batching.policy, BATCHING_POLICIES, plugins=True)
+        for kind, value in (("drafter", self.draft.method), ("draft_length", self.draft.length),
+                            ("tree_policy", self.tree.policy), ("acceptance", self.verify.sampling),
+                            ("weight_format", self.weights.format), ("linear_backend", self.runtime.linear),
+                            ("batching", self.batching.policy)):
+            try:
+                check_builtin_name(kind, value)
+            except UnknownMechanism as exc:
+                raise RecipeError(str(exc)) from None
         _positive("tree.depth", self.tree.depth, 1, 64)
         _positive("tree.budget", self.tree.budget, 1, 256)
         _positive("tree.topk", self.tree.topk, 1, 64)
@@ -200,15 +208,8 @@ def _drop_legacy(section: str, raw: dict[str, Any], source: str) -> dict[str, An
     for key in legacy:
         if raw.get(key) is True:
             raise RecipeError(f"{source}: {section}.{key} = true is not implemented by this engine; remove it "
-                              f"(the [runtime] option it has is linear = {' | '.join(LINEAR_BACKENDS)})")
+                              f"(the [runtime] option it has is linear = {' | '.join(builtin_names('linear_backend'))})")
     return {k: v for k, v in raw.items() if k not in legacy or v is not False}
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...], plugins: bool = False) -> None:
-    if value in allowed or (plugins and isinstance(value, str) and value.startswith(PLUGIN_PREFIX)):
-        return
-    extra = f", or {PLUGIN_PREFIX}NAME" if plugins else ""
-    raise RecipeError(f"{name} = {value!r} is not allowed; allowed: {', '.join(allowed)}{extra}")
 
 
 def _positive(name: str, value: int, low: int, high: int) -> None:

@@ -45,11 +45,11 @@ class RunContext:
 
 
 def _materialised(recipe: Recipe) -> Recipe:
-    """Plugin tree policies are candidate code: the loop's process never imports them, so the cost model
-    profiles such an incumbent as a depth-matched chain."""
-    if recipe.tree.policy.startswith("plugin:"):
-        return recipe.replace(tree={"policy": "chain"})
-    return recipe
+    """Plugins are candidate code: the loop's process never imports them, so the cost model profiles such an
+    incumbent with built-in stand-ins (a plugin tree policy as a depth-matched chain, and so on)."""
+    from core.mechanisms import modelled
+
+    return modelled(recipe)
 
 
 def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tokens: int | None = None,

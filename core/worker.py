@@ -13,6 +13,63 @@ import json
 import os
 import sys
 import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+WRITE_EVENTS = {"os.remove": (0,), "os.rmdir": (0,), "os.mkdir": (0,), "os.rename": (0, 1), "os.truncate": (0,),
+                "os.chmod": (0,), "os.symlink": (1,), "os.link": (1,), "os.utime": (0,), "shutil.rmtree": (0,),
+                "shutil.copyfile": (1,), "shutil.copytree": (1,), "shutil.move": (0, 1)}
+
+
+class GuardError(PermissionError):
+    """Candidate code touched what the judge owns (the held-out requests, the code, the workspaces)."""
+
+
+def _real(path: object) -> str | None:
+    if isinstance(path, int):
+        return None
+    try:
+        return os.path.realpath(os.fsdecode(path))
+    except (TypeError, ValueError):
+        return None
+
+
+def _guard(deployment: dict, workspace: str | None) -> None:
+    """Before any candidate code is imported: refuse (as a GuardError the judge reports) any read of the
+    request set and any write, delete or rename inside SpecPilot's tree, the request set's folder and the
+    run's workspaces, so a plugin of any kind can neither peek at held-out requests nor edit the judge,
+    forcing, timers, request sets or another candidate. An audit hook cannot be removed once added. (It
+    stops Python-level file access; it is not an OS sandbox: the judge's own timing and forcing remain what
+    decides.)"""
+    workload = _real(deployment.get("workload")) if deployment.get("workload") else None
+    roots = [str(REPO)]
+    if workload:
+        roots.append(os.path.dirname(workload))
+    if workspace:
+        ws = Path(workspace).resolve()
+        roots += [str(ws), str(ws.parent)]
+
+    def inside(path: str | None) -> bool:
+        return path is not None and any(path == r or path.startswith(r + os.sep) for r in roots)
+
+    def hook(event: str, args: tuple) -> None:
+        if event == "open":
+            path, mode, flags = (tuple(args) + (None, None, None))[:3]
+            real = _real(path)
+            if real is not None and real == workload:
+                raise GuardError(f"candidate code may not read the request set {real}")
+            writing = (isinstance(mode, str) and any(c in mode for c in "wax+")) or \
+                (isinstance(flags, int) and flags & WRITE_FLAGS)
+            if writing and inside(real) and "__pycache__" not in real:
+                raise GuardError(f"candidate code may not write {real}")
+        elif event in WRITE_EVENTS:
+            for i in WRITE_EVENTS[event]:
+                real = _real(args[i]) if i < len(args) else None
+                if inside(real) or (real is not None and real == workload):
+                    raise GuardError(f"candidate code may not change {real} ({event})")
+
+    sys.addaudithook(hook)
 
 
 def _serve(reply_fd: int) -> None:
@@ -33,9 +90,10 @@ def _serve(reply_fd: int) -> None:
                 from core.engine.plugins import load_workspace
                 from core.recipe import Recipe
 
+                d = msg["deployment"]
+                _guard(d, msg.get("workspace"))
                 if msg.get("workspace"):
                     load_workspace(msg["workspace"])
-                d = msg["deployment"]
                 if d.get("threads"):
                     import torch
 

@@ -64,3 +64,18 @@ def smollm2_dir(smollm2_gguf):
     from core.engine.gguf import materialise
 
     return materialise(smollm2_gguf)
+
+
+def register_test_plugin(name: str) -> str:
+    """Import tests/plugins/<name>.py into this process (it registers its mechanisms) and return the recipe
+    value that selects it. Only the tests that exercise a test-only mechanism call this."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parent / "plugins" / f"{name}.py"
+    module_name = f"tests_plugin_{name}"
+    if module_name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(module_name, path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules[module_name] = module
+    return f"plugin:{name}"

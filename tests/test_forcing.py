@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from conftest import register_test_plugin
 from tiny_models import repeating_prompts
 
 from core import forcing
@@ -72,7 +73,7 @@ def test_seeded_recipe_passes_against_seeded_stock(engine, reference):
 
 
 def test_lossy_top2_fails(engine, reference, stock, ar_outputs):
-    lossy = Recipe.from_dict({"verify": {"sampling": "lossy_top2"}})
+    lossy = Recipe.from_dict({"verify": {"sampling": register_test_plugin("lossy_top2")}})
     outputs = [engine.generate([p], [n], lossy, [i]).tokens[0] for i, (p, n) in enumerate(zip(prompts(), LIMITS))]
     assert outputs != ar_outputs
     result = forcing.compare(engine, lossy, prompts(), LIMITS, reference, stock=stock)

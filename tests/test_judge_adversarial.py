@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 import mini_deployment
+from conftest import register_test_plugin
 from core.deployment import Deployment
 from core.judge import Judge, Worker
 from core.recipe import builtin
@@ -72,6 +73,14 @@ def workspace(setting, plugin: str) -> Path:
     return ws
 
 
+def hang_pid_file(ws: Path) -> Path:
+    """Where tests/plugins/hang.py leaves its child's pid (outside the guarded workspace)."""
+    import hashlib
+    import tempfile
+
+    return Path(tempfile.gettempdir()) / f"hang-{hashlib.sha1(str(ws.resolve()).encode()).hexdigest()[:12]}.pid"
+
+
 def alive(pid: int) -> bool:
     """A process that exists and is not a zombie."""
     try:
@@ -93,9 +102,10 @@ def assert_no_candidate_code_imported(*workspaces: Path) -> None:
         assert not name.startswith("specpilot_plugin_"), name
         path = getattr(module, "__file__", None) or ""
         assert not any(str(Path(path).resolve()).startswith(r) for r in roots if path), (name, path)
-    plugins = sys.modules.get("core.engine.plugins")
-    if plugins is not None:
-        assert not set(plugins._TREE_POLICIES) & {"hang", "crash_exit", "fast_clock", "fake_stats"}
+    from core.mechanisms import names
+
+    assert not set(names("tree_policy")) & {"plugin:hang", "plugin:crash_exit", "plugin:fast_clock",
+                                             "plugin:fake_stats"}
 
 
 def failed_gate(verdict) -> tuple[str, str]:
@@ -104,10 +114,10 @@ def failed_gate(verdict) -> tuple[str, str]:
 
 def test_lossy_verification_fails_forcing(setting, judge, started):
     _, _, ctx, stock, _ = setting
-    lossy = stock.replace(verify={"sampling": "lossy_top2"}, draft={"method": "early_exit"})
+    lossy = stock.replace(verify={"sampling": register_test_plugin("lossy_top2")}, draft={"method": "early_exit"})
     changed = [ctx.engine.generate([r.prompt], r.max_new_tokens, lossy, [r.index]).tokens[0] for r in ctx.tuning]
     assert ctx.force(ctx.tuning, changed, lossy)["rate"] > 0.05  # precondition: it changes the output here
-    verdict = judge.evaluate(lossy, stock)
+    verdict = judge.evaluate(lossy, stock, workspace=workspace(setting, "lossy_top2"))
     assert failed_gate(verdict)[0] == "forcing"
     assert verdict.forcing["rate"] > verdict.forcing["threshold"]
     assert "tuning" not in verdict.gates and not verdict.passed
@@ -126,7 +136,7 @@ def test_hang_is_killed_at_the_limit_with_its_process_group(setting, judge, star
     candidate = started[0]
     assert candidate.proc.returncode == -9
     assert not alive(candidate.pid)
-    child = int((ws / "child.pid").read_text())
+    child = int(hang_pid_file(ws).read_text())
     deadline = time.monotonic() + 5
     while alive(child) and time.monotonic() < deadline:
         time.sleep(0.1)
@@ -144,6 +154,47 @@ def test_patched_clocks_do_not_change_the_judges_timing(setting, judge):
         assert s["candidate_s"] > 1e-3
     assert 0.33 < verdict.tuning.speedup < 3.0, samples  # the stock chain: as fast as stock, not infinitely
     assert_no_candidate_code_imported(ws)
+
+
+def test_drafter_plugin_reading_the_held_out_file_is_refused(setting, judge, started):
+    ws = workspace(setting, "peek_heldout")
+    stock = builtin("stock")
+    verdict = judge.evaluate(stock.replace(draft={"method": "plugin:peek_heldout"}), stock, ws)
+    gate, detail = failed_gate(verdict)
+    assert gate == "smoke" and "may not read the request set" in detail, detail
+    assert "tuning" not in verdict.gates and not verdict.passed
+    assert_no_candidate_code_imported(ws)
+
+
+def test_drafter_plugin_freezing_the_clock_does_not_change_the_judges_timing(setting, judge):
+    ws = workspace(setting, "clock_drafter")
+    stock = builtin("stock")
+    verdict = judge.evaluate(stock.replace(draft={"method": "plugin:clock_drafter"}), stock, ws)
+    assert verdict.gates["forcing"]["passed"]
+    for s in verdict.samples["tuning"]:
+        assert s["candidate_s"] > 1e-3
+    assert 0.33 < verdict.tuning.speedup < 3.0, verdict.samples["tuning"]  # the stock drafter, as fast as stock
+    assert_no_candidate_code_imported(ws)
+
+
+def test_batching_plugin_editing_the_workspace_is_refused(setting, judge):
+    ws = workspace(setting, "edit_workspace")
+    victim = ws.parent / "victim.txt"
+    victim.write_text("original")
+    stock = builtin("stock")
+    verdict = judge.evaluate(stock.replace(batching={"policy": "plugin:edit_workspace"}), stock, ws)
+    gate, detail = failed_gate(verdict)
+    assert gate == "smoke" and "may not write" in detail and "victim.txt" in detail, detail
+    assert victim.read_text() == "original"
+    assert_no_candidate_code_imported(ws)
+
+
+def test_plugin_name_no_workspace_file_declares_fails_before_any_worker(setting, judge, started):
+    stock = builtin("stock")
+    verdict = judge.evaluate(stock.replace(verify={"sampling": "plugin:missing"}), stock, workspace(setting, "hang"))
+    gate, detail = failed_gate(verdict)
+    assert gate == "applies" and "verify.sampling = 'plugin:missing' is not allowed" in detail, detail
+    assert started == []  # nothing ran
 
 
 def test_fake_stats_are_ignored(setting, judge, monkeypatch):

@@ -228,13 +228,13 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     report = {"gaps": [{"component": "host", "ms_per_token": 0.2}, {"component": "drafting", "ms_per_token": 0.9},
                        {"component": "verify", "ms_per_token": 0.5}], "largest_gap": "drafting"}
     names = [a.name for a in local_agents_for(report, 3, [])]
-    assert names == ["drafter-choice", "runtime", "draft-length"]
+    assert names == ["drafter-choice", "runtime", "adaptive-length"]  # host: the agent that writes a plugin
     on_gpu = {**report, "probe": {"device": "cuda:0"}}
-    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "draft-length", "weight-format"]
+    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "adaptive-length", "draft-length"]
     memory = [{"mechanism": "m", "fragment": {"tree": {"depth": 6}}, "fingerprint": "x", "effect": 1.1}]
     assert [a.name for a in local_agents_for(report, 2, memory, builtin("stock"))] == ["memory", "drafter-choice"]
     assert local_agents_for(report, 2, memory, builtin("chain6"))[0].name == "drafter-choice"
-    assert len(local_agents_for(report, 20, [])) == 6
+    assert len(local_agents_for(report, 20, [])) == 8
     dirs = directions(report, 4)
     assert dirs[0].startswith("drafting gap (the largest): 0.90 ms/token") and dirs[3].startswith("drafting")
     dispatch = {"gaps": [{"component": "dispatch", "ms_per_token": 0.9}], "largest_gap": "dispatch"}

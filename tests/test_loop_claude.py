@@ -11,8 +11,10 @@ tries to approve a failed one, pauses and resumes between steps, and stops the r
 
 from __future__ import annotations
 
+import hashlib
 import queue
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -41,13 +43,17 @@ def policy_edit(name: str) -> str:
             ">>>>>>> REPLACE\n```\n")
 
 
-FOO = '''import os
+FOO = '''import hashlib
+import os
+import tempfile
 from pathlib import Path
 
 from core.engine.plugins import register_tree_policy
 from core.engine.tree import chain_paths
 
-(Path(__file__).resolve().parent.parent / "saw_key.txt").write_text(str("ANTHROPIC_API_KEY" in os.environ))
+ws = str(Path(__file__).resolve().parent.parent)  # the worker's guard refuses writes inside the workspace
+(Path(tempfile.gettempdir()) / f"saw_key-{hashlib.sha1(ws.encode()).hexdigest()[:12]}.txt").write_text(
+    str("ANTHROPIC_API_KEY" in os.environ))
 register_tree_policy("foo", lambda tree: chain_paths(tree.depth))
 '''
 CRASH = (Path(__file__).resolve().parent / "plugins" / "crash_exit.py").read_text()
@@ -191,7 +197,8 @@ def test_recipe_diff_and_plugin_diff_apply_and_are_judged(steered):
     assert candidate["kind"] == "recipe+plugin" and 'policy = "plugin:foo"' in candidate["recipe"]
     workspace = steered["loop"].workspace / plugin_cid
     assert (workspace / "plugins" / "foo.py").read_text() == FOO  # written to the candidate's workspace
-    assert (workspace / "saw_key.txt").read_text() == "False"  # ran in a worker without the key
+    saw = Path(tempfile.gettempdir()) / f"saw_key-{hashlib.sha1(str(workspace.resolve()).encode()).hexdigest()[:12]}.txt"
+    assert saw.read_text() == "False"  # ran in a worker without the key
     assert not any(name.startswith("specpilot_plugin_") for name in sys.modules)  # never in this process
 
 

@@ -10,36 +10,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
+from core.mechanisms import interfaces_doc
 from core.recipe import Recipe
 
 CANDIDATE_KINDS = ("recipe", "plugin", "recipe+plugin")
 RECIPE_FILE = "recipe.toml"
 PLUGIN_GLOB = "plugins/*.py"
 
-PLUGIN_INTERFACES_DOC = """\
-Plugin interfaces (code an agent may add to the run workspace)
-
-A plugin is one file `plugins/<name>.py` in the run workspace. A recipe selects it by name with the
-`plugin:` prefix, e.g. `tree.policy = "plugin:<name>"`. Plugin files import only the standard library,
-math, numpy and torch; they run in the judge's worker subprocess, never in the loop process, and must be
-deterministic (no clocks, no unseeded randomness).
-
-Tree plugins (selected by tree.policy = "plugin:<name>") register a policy when imported:
-
-    from core.engine.plugins import register_tree_policy
-
-    def shape(tree) -> list[list[int]]:
-        '''Return the static tree to draft as rank paths: [[0, 0, 0], [1], [0, 1]] means the drafter's
-        top-1 chain of depth 3, its 2nd-ranked first token, and the 2nd-ranked child of its top-1 first
-        token (every prefix of a path is a node too). `tree` is the recipe's [tree] section (policy,
-        depth, budget, topk, paths): respect tree.budget (nodes) and tree.depth (levels).'''
-        return [[0] * tree.depth] + [[r] for r in range(1, min(tree.topk, tree.budget - tree.depth + 1))]
-
-    register_tree_policy("<name>", shape)
-
-The verifier checks every tree exactly (losslessness never depends on the plugin); a plugin only changes
-how much speculation each step buys and what it costs.
-"""
+PLUGIN_INTERFACES_DOC = interfaces_doc()  # generated from the mechanism registry: one source
 
 
 @dataclass

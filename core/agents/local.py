@@ -416,6 +416,282 @@ class BatchingAgent(LocalAgent):
         return batch * accepted / ms
 
 
+ADAPTIVE_WINDOWS = (1, 2, 3, 4)
+ADAPTIVE_MARGINS = (0, 1, 2)
+ADAPTIVE_TEMPLATE = '''"""Acceptance-adaptive draft length, written by the adaptive-length agent and fitted on the
+tuning requests' replayed acceptance: draft the mean accepted tokens of the last {window} step(s) plus
+{margin}, at most the tree's depth, so a stretch the drafter gets wrong costs short drafts and an easy one
+keeps full depth."""
+
+from core.mechanisms import register
+
+WINDOW = {window}
+MARGIN = {margin}
+
+
+def length(depth: int, recent: list[int]) -> int:
+    if not recent:
+        return depth
+    last = recent[-WINDOW:]
+    return min(depth, round(sum(last) / len(last)) + MARGIN)
+
+
+register("draft_length", "{name}", length)
+'''
+
+
+def adaptive_depth(depth: int, recent: list[int], window: int, margin: int) -> int:
+    """What the written plugin computes (the same expression), for the agent's simulation."""
+    if not recent:
+        return depth
+    last = recent[-window:]
+    return max(1, min(depth, round(sum(last) / len(last)) + margin))
+
+
+class AdaptiveLengthAgent(LocalAgent):
+    """Drafting and host gaps, by writing code: a draft-length plugin that drafts short after steps the
+    drafter got wrong and deep after ones it got right. Every step pays a fixed host and verify cost, so on
+    easy stretches deeper drafts amortise it, and on hard ones shorter drafts stop paying for guesses that
+    will be rejected. The plugin's window and margin (and the depth it may reach) are fitted by simulating
+    it on the replayed acceptance of the tuning requests, priced with the measured per-depth step cost."""
+
+    default_name = "adaptive-length"
+
+    def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
+        inc = ctx.recipe
+        if inc.tree.policy != "chain":
+            return AgentFailure(self.name, f"the adaptive draft length is fitted on a chain; the incumbent drafts "
+                                           f"{tree_label(inc)}")
+        if inc.draft.length != "fixed":
+            return AgentFailure(self.name, f"draft.length is already {inc.draft.length!r}")
+        deepest = max(MAX_DEPTH, inc.tree.depth)
+        replay = tools.replay(drafter_key(inc, tools.drafters), inc.draft.ngram_max)
+        if inc.draft.method == "ngram":
+            runs = [_ngram_runs(t.tokens, t.prompt_len, t.n_out, inc.draft.ngram_max, deepest) for t in replay.traces]
+        else:
+            runs = [_rank0_runs(t.ranks, t.prompt_len, t.n_out, len(t.tokens) - 1) for t in replay.traces]
+        cost = {c: sum(tools.step_ms(inc.replace(tree={"depth": c})).values()) for c in range(1, deepest + 1)}
+        say("step ms by draft depth: " + " ".join(f"{c}: {ms:.2f}" for c, ms in cost.items()))
+
+        def rate(rule: Callable[[int, list[int]], int], top: int) -> float:
+            tokens = ms = 0.0
+            for run, (start, n_out, last) in runs:
+                i, emitted, recent = start, 0, []
+                while emitted < n_out and i < last:
+                    c = rule(top, recent)
+                    d = min(run.get(i, 0), c, last - i - 1)
+                    ms += cost[c]
+                    recent.append(d + 1)
+                    emitted += d + 1
+                    i += d + 1
+                tokens += n_out
+            return tokens / ms if ms else 0.0
+
+        base = rate(lambda top, recent: top, inc.tree.depth)
+        best_fixed = max(range(1, deepest + 1), key=lambda d: rate(lambda top, recent: top, d))
+        fixed_rate = rate(lambda top, recent: top, best_fixed)
+        say(f"incumbent chain {inc.tree.depth}: {1e3 * base:.0f} tok/s simulated; best fixed depth {best_fixed}: "
+            f"{1e3 * fixed_rate:.0f}")
+        fits = []
+        for top in range(2, deepest + 1):
+            for w in ADAPTIVE_WINDOWS:
+                for m in ADAPTIVE_MARGINS:
+                    r = rate(lambda depth, recent, w=w, m=m: adaptive_depth(depth, recent, w, m), top)
+                    fits.append((r, -top, -w, -m))
+        r, top, w, m = max(fits)
+        top, w, m = -top, -w, -m
+        say(f"fitted: window {w}, margin {m}, depth up to {top}: {1e3 * r:.0f} tok/s simulated "
+            f"({pct(r, base)} vs the incumbent, {pct(r, fixed_rate)} vs the best fixed depth)")
+        if r < base * (1 + MIN_GAIN):
+            return AgentFailure(self.name, f"no adaptive draft length predicted above the incumbent (best: window "
+                                           f"{w}, margin {m}, depth {top}, {pct(r, base)})")
+        name = f"adaptive_w{w}_m{m}"
+        source = ADAPTIVE_TEMPLATE.format(window=w, margin=m, name=name)
+        new = inc.replace(draft={"length": f"plugin:{name}"}, tree={"depth": top}).validate()
+        speedup = r / base
+        path = f"plugins/{name}.py"
+        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
+        say.part(diff)
+        rationale = (f"Simulated on the replayed acceptance with the measured step cost per depth, drafting the mean "
+                     f"of the last {w} step(s)' accepted tokens + {m} (at most {top}) gives {pct(r, base)} over "
+                     f"chain {inc.tree.depth} and {pct(r, fixed_rate)} over the best fixed depth {best_fixed}.")
+        return Candidate(agent=self.name, title=f"Adaptive draft length plugin (window {w}, margin {m}, depth {top})",
+                         rationale=rationale, kind="recipe+plugin", diff=diff, recipe=new, files={path: source},
+                         predicted_speedup=speedup)
+
+
+HYBRID_TEMPLATE = '''"""Two-level drafting, written by the hybrid-drafter agent and fitted on the tuning requests'
+replay: draft by n-gram lookup (max n = the recipe's draft.ngram_max, to the tree's depth) when the context has a
+match, and with the drafter model (to depth {model_depth}) when it has none. The model's cache catches up
+on the tokens committed meanwhile at its next draft, so a lookup step costs no model forward."""
+
+from core.engine.drafters import Drafter, ModelDrafter, NgramDrafter
+from core.mechanisms import register
+
+MODEL_DEPTH = {model_depth}
+
+
+class Hybrid(Drafter):
+    def __init__(self, ngram, model):
+        self.ngram, self.model = ngram, model
+
+    def reset(self, prompts, max_len):
+        self.ngram.reset(prompts, max_len)
+        self.model.reset(prompts, max_len)
+
+    def open(self, max_batch, max_len):
+        self.ngram.open(max_batch, max_len)
+        self.model.open(max_batch, max_len)
+
+    def admit(self, prompt):
+        self.ngram.admit(prompt)
+        return self.model.admit(prompt)
+
+    def move(self, src, dst):
+        self.ngram.move(src, dst)
+        self.model.move(src, dst)
+
+    def drop_last(self):
+        self.ngram.drop_last()
+        self.model.drop_last()
+
+    def draft(self, spec, mode, active):
+        trees = self.ngram.draft(spec, mode, active)
+        if all(len(t) > 1 for t, a in zip(trees, active) if a):
+            return trees
+        return self.model.draft(spec.shortened(MODEL_DEPTH), mode, active)
+
+    def commit(self, rows, paths, tokens):
+        self.ngram.commit(rows, paths, tokens)
+        self.model.commit(rows, paths, tokens)
+
+
+def build(engine, recipe, target, drafter_model):
+    if drafter_model is None:
+        raise ValueError("the hybrid drafter needs a drafter checkpoint (--drafter DIR)")
+    return Hybrid(NgramDrafter(recipe.draft.ngram_max), ModelDrafter(drafter_model))
+
+
+register("drafter", "{name}", build)
+'''
+
+
+class HybridDrafterAgent(LocalAgent):
+    """Drafting and acceptance gaps, by writing code: a drafter plugin that drafts by n-gram lookup where the
+    context has a match (nearly free, long when it hits) and with the drafter model where it has none (so a
+    step without a match still accepts more than the bonus token). The two depths are fitted by simulating
+    it on the tuning requests' replay: the engine's n-gram drafter on the true contexts, the model's ranks
+    from teacher forcing, each step priced with the measured step cost of its drafter at its depth."""
+
+    default_name = "hybrid-drafter"
+
+    def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
+        inc = ctx.recipe
+        if ("model" not in tools.drafters or inc.tree.policy != "chain"
+                or inc.draft.method not in ("model", "ngram")):
+            return AgentFailure(self.name, f"two-level drafting needs a drafter model and a chain; the incumbent "
+                                           f"drafts {inc.draft.method} with {tree_label(inc)}")
+        deepest = max(12, inc.tree.depth)
+        model_replay = tools.replay("model")
+        ngram_replay = tools.replay("ngram", inc.draft.ngram_max)
+        model_runs = {t.request_id: _rank0_runs(t.ranks, t.prompt_len, t.n_out, len(t.tokens) - 1)[0]
+                      for t in model_replay.traces}
+        walks = []
+        for t in ngram_replay.traces:
+            run, walk = _ngram_runs(t.tokens, t.prompt_len, t.n_out, inc.draft.ngram_max, deepest)
+            matched = _ngram_matches(t.tokens, t.prompt_len, inc.draft.ngram_max)
+            walks.append((run, matched, model_runs.get(t.request_id, {}), walk))
+        price = {(m, c): sum(tools.step_ms(inc.replace(draft={"method": m}, tree={"depth": c})).values())
+                 for m in ("model", "ngram") for c in range(1, deepest + 1)}
+
+        def rate(ngram_depth: int, model_depth: int, mode: str) -> float:
+            tokens = ms = 0.0
+            for run, matched, mrun, (start, n_out, last) in walks:
+                i, emitted = start, 0
+                while emitted < n_out and i < last:
+                    lookup = mode == "ngram" or (mode == "hybrid" and matched.get(i, False))
+                    if lookup:
+                        d, ms = min(run.get(i, 0), ngram_depth, last - i - 1), ms + price[("ngram", ngram_depth)]
+                    else:
+                        d, ms = min(mrun.get(i, 0), model_depth, last - i - 1), ms + price[("model", model_depth)]
+                    emitted += d + 1
+                    i += d + 1
+                tokens += n_out
+            return tokens / ms if ms else 0.0
+
+        depth = inc.tree.depth
+        base = rate(depth, depth, inc.draft.method)
+        say(f"incumbent {inc.draft.method} chain {depth}: {1e3 * base:.0f} tok/s simulated")
+        best = max((rate(c, m, "hybrid"), -c, -m) for c in range(1, deepest + 1)
+                   for m in range(1, min(c, MAX_DEPTH) + 1))  # the model drafts at most the tree's depth
+        r, c, m = best[0], -best[1], -best[2]
+        say(f"fitted: n-gram lookup to depth {c} where the context matches, the model to depth {m} elsewhere: "
+            f"{1e3 * r:.0f} tok/s simulated ({pct(r, base)})")
+        if r < base * (1 + MIN_GAIN):
+            return AgentFailure(self.name, f"no two-level drafter predicted above the incumbent (best: n-gram depth "
+                                           f"{c}, model depth {m}, {pct(r, base)})")
+        name = f"hybrid_m{m}"
+        source = HYBRID_TEMPLATE.replace("{model_depth}", str(m)).replace("{name}", name)
+        new = inc.replace(draft={"method": f"plugin:{name}"}, tree={"depth": c}).validate()
+        path = f"plugins/{name}.py"
+        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
+        say.part(diff)
+        rationale = (f"Simulated on the replay with each drafter's measured step cost: n-gram lookup to depth {c} "
+                     f"where the context has a match and the drafter model to depth {m} elsewhere gives "
+                     f"{pct(r, base)} over the incumbent {inc.draft.method} chain {depth}.")
+        return Candidate(agent=self.name, title=f"Two-level drafter plugin (n-gram depth {c}, model depth {m})",
+                         rationale=rationale, kind="recipe+plugin", diff=diff, recipe=new, files={path: source},
+                         predicted_speedup=r / base)
+
+
+def _ngram_matches(tokens: list[int], prompt_len: int, ngram_max: int) -> dict[int, bool]:
+    """For each position a step can start from, whether the engine's n-gram drafter finds a match there."""
+    from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+
+    drafter = NgramDrafter(ngram_max)
+    drafter.reset([tokens[:prompt_len]], len(tokens) + 8)
+    spec, mode, out = TreeSpec("static", [[0]]), DraftMode(), {}
+    for i in range(prompt_len - 1, len(tokens) - 1):
+        out[i] = len(drafter.draft(spec, mode, [True])[0]) > 1
+        drafter.commit([0], [[]], [[tokens[i + 1]]])
+    return out
+
+
+def _ngram_runs(tokens: list[int], prompt_len: int, n_out: int, ngram_max: int,
+                depth: int) -> tuple[dict[int, int], tuple[int, int, int]]:
+    """For each position i a step can start from, how many tokens of the n-gram drafter's chain (drafted on
+    the true context up to i, as the engine's NgramDrafter does) equal the target's next ones. A chain's
+    continuation at a shorter depth is a prefix of the deeper one, so min(run, depth) is what it accepts."""
+    from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+    from core.engine.tree import chain_paths
+
+    last = len(tokens) - 1
+    drafter = NgramDrafter(ngram_max)
+    drafter.reset([tokens[:prompt_len]], len(tokens) + depth + 4)
+    spec, mode = TreeSpec("static", chain_paths(depth)), DraftMode()
+    run: dict[int, int] = {}
+    for i in range(prompt_len - 1, last):
+        drafted = drafter.draft(spec, mode, [True])[0].tokens[1:]
+        k = 0
+        while k < len(drafted) and i + k + 1 <= last and drafted[k] == tokens[i + k + 1]:
+            k += 1
+        run[i] = k
+        drafter.commit([0], [[]], [[tokens[i + 1]]])
+    return run, (prompt_len - 1, n_out, last)
+
+
+def _rank0_runs(ranks: list[int], prompt_len: int, n_out: int,
+                last: int) -> tuple[dict[int, int], tuple[int, int, int]]:
+    """For each position i a step can start from, how many of the next tokens the drafter ranks first (what
+    a chain of unlimited depth would accept), and the walk's (start, n_out, last)."""
+    run: dict[int, int] = {}
+    count = 0
+    for i in range(last - 1, prompt_len - 2, -1):
+        count = count + 1 if i + 1 < len(ranks) and ranks[i + 1] == 0 else 0
+        run[i] = count
+    return run, (prompt_len - 1, n_out, last)
+
+
 def _nodes(recipe: Recipe) -> int:
     """Draft nodes per row (the root, which is verified too, not counted)."""
     t = recipe.tree
@@ -510,7 +786,28 @@ class MemoryAgent(LocalAgent):
         names = " + ".join(str(e.get("mechanism", "unnamed")) for e in used)
         rationale = "; ".join(f"{e.get('mechanism')}: {e.get('description', '')} (won x{effect_of(e) or 0:.2f} on "
                               f"{e.get('fingerprint', 'unknown')})" for e in used)
-        return self.candidate(ctx, new, f"From memory: {names}", rationale, speedup, say)
+        files = remembered_plugins(used, ctx.workspace)
+        diff = "".join(make_unified_diff("", text, path) for path, text in files.items())
+        say.part(diff)
+        out = self.candidate(ctx, new, f"From memory: {names}", rationale, speedup, say)
+        if files:
+            out.kind, out.files, out.diff = "recipe+plugin", files, diff + out.diff
+        return out
+
+
+def remembered_plugins(entries: list[dict[str, Any]], workspace: Any) -> dict[str, str]:
+    """The plugin sources stored with remembered winners (evidence.plugins), minus files the workspace
+    already holds unchanged: what re-proposing those mechanisms needs."""
+    from pathlib import Path
+
+    files: dict[str, str] = {}
+    for entry in entries:
+        evidence = entry.get("evidence") if isinstance(entry.get("evidence"), dict) else {}
+        for path, text in (evidence.get("plugins") or {}).items():
+            here = Path(workspace) / path
+            if isinstance(text, str) and not (here.is_file() and here.read_text() == text):
+                files[str(path)] = text
+    return files
 
 
 def _fingerprint(deployment: dict[str, Any]) -> str | None:
@@ -527,13 +824,15 @@ RuntimeAgent.cpu_only = True
 BatchingAgent.needs_batch = True
 
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
-    "acceptance": (TreeShapeAgent, DraftLengthAgent),
-    "drafting": (DrafterChoiceAgent, DraftLengthAgent),
+    "acceptance": (TreeShapeAgent, DraftLengthAgent, HybridDrafterAgent),
+    "drafting": (DrafterChoiceAgent, DraftLengthAgent, AdaptiveLengthAgent, HybridDrafterAgent),
     "weights": (WeightFormatAgent,),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
-    "host": (DraftLengthAgent, RuntimeAgent),
+    "host": (AdaptiveLengthAgent, DraftLengthAgent, RuntimeAgent),
     "dispatch": (RuntimeAgent, DraftLengthAgent, TreeShapeAgent),
     "batching": (BatchingAgent,),
 }
 DEFAULT_ORDER: tuple[type[LocalAgent], ...] = (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent,
-                                                 WeightFormatAgent, RuntimeAgent, BatchingAgent)
+                                                 WeightFormatAgent, RuntimeAgent, BatchingAgent, AdaptiveLengthAgent,
+                                                 HybridDrafterAgent)
+KNOB_AGENTS = ("tree-shape", "drafter-choice", "draft-length", "weight-format", "runtime", "batching", "memory")

@@ -76,7 +76,9 @@ def directions(report: dict[str, Any] | None, n: int) -> list[str]:
     return out
 
 
-def _pick(report: dict[str, Any] | None, n: int, with_memory: bool) -> list[type[LocalAgent]]:
+def _pick(report: dict[str, Any] | None, n: int, with_memory: bool, only: tuple[str, ...] | None = None,
+          skip: tuple[str, ...] = ()) -> list[type[LocalAgent]]:
+    """`only`: the local agents a run may use (by name; None = all); `skip`: ones already tried this round."""
     chosen: list[type[LocalAgent]] = [MemoryAgent] if with_memory else []
     tiers = [GAP_AGENTS.get(g["component"], ()) for g in ranked_gaps(report)]
     for tier in range(max((len(t) for t in tiers), default=0)):
@@ -84,6 +86,7 @@ def _pick(report: dict[str, Any] | None, n: int, with_memory: bool) -> list[type
             if tier < len(classes) and classes[tier] not in chosen:
                 chosen.append(classes[tier])
     chosen += [c for c in DEFAULT_ORDER if c not in chosen]
+    chosen = [c for c in chosen if (only is None or c.default_name in only) and c.default_name not in skip]
     useful = [c for c in chosen if _fits(c, report)]
     return (useful + [c for c in chosen if c not in useful])[:n]
 
@@ -100,16 +103,37 @@ def _fits(cls: type[LocalAgent], report: dict[str, Any] | None) -> bool:
 
 
 def local_agents_for(report: dict[str, Any] | None, n: int, memory: list[dict[str, Any]] | None,
-                     incumbent: Recipe | None = None, seed: int = 0) -> list[Agent]:
+                     incumbent: Recipe | None = None, seed: int = 0, only: tuple[str, ...] | None = None,
+                     skip: tuple[str, ...] = ()) -> list[Agent]:
     """The n local agents best matched to this round's largest gaps (at most one of each kind), memory first
     when a remembered fragment applies to the incumbent (to any recipe when `incumbent` is None)."""
     with_memory = bool(applicable(memory or [], incumbent))
-    return [cls(seed=seed) for cls in _pick(report, n, with_memory)]
+    picked = _pick(report, n, with_memory, only, skip)
+    if skip:  # a second pass only runs agents whose mechanism applies here
+        picked = [c for c in picked if _fits(c, report)]
+    return [cls(seed=seed) for cls in picked]
+
+
+def uncovered(report: dict[str, Any] | None, counts: dict[str, int], only: tuple[str, ...] | None = None) -> list[str]:
+    """Gap components that lose time and that no agent of the run can act on (Claude agents can act on any;
+    a local agent acts on the gaps GAP_AGENTS lists it for, where its mechanism applies)."""
+    if counts.get("claude"):
+        return []
+    out = []
+    for g in ranked_gaps(report):
+        if float(g.get("ms_per_token", 0.0)) <= 0.0:
+            continue  # nothing lost there: no agent is needed
+        able = [c for c in GAP_AGENTS.get(g["component"], ())
+                if (only is None or c.default_name in only) and _fits(c, report)]
+        if not able or not counts.get("local"):
+            out.append(g["component"])
+    return out
 
 
 def make_agents(spec: str, seed: int, model: str, memory_nonempty: bool = False, *,
                 report: dict[str, Any] | None = None, memory: list[dict[str, Any]] | None = None,
-                incumbent: Recipe | None = None) -> list[Agent]:
+                incumbent: Recipe | None = None, only: tuple[str, ...] | None = None,
+                skip: tuple[str, ...] = ()) -> list[Agent]:
     """Agents for one round, in the spec's order. Claude agents check ANTHROPIC_API_KEY before anything runs."""
     counts = parse_agents(spec)
     if any(kind == "claude" for kind, _ in counts):
@@ -119,12 +143,14 @@ def make_agents(spec: str, seed: int, model: str, memory_nonempty: bool = False,
     agents: list[Agent] = []
     for kind, count in counts:
         if kind == "claude":
+            if skip:
+                continue  # a second pass in a round is for local agents not yet tried
             from core.agents.claude import ClaudeAgent
 
             agents += [ClaudeAgent(model=model, name="claude" if count == 1 else f"claude-{i + 1}")
                        for i in range(count)]
         elif memory is not None:
-            agents += local_agents_for(report, count, memory, incumbent, seed)
+            agents += local_agents_for(report, count, memory, incumbent, seed, only, skip)
         else:
-            agents += [cls(seed=seed) for cls in _pick(report, count, memory_nonempty)]
+            agents += [cls(seed=seed) for cls in _pick(report, count, memory_nonempty, only, skip)]
     return agents

@@ -17,7 +17,8 @@ from core.costmodel.predict import predict_detail
 from core.costmodel.profile import Profile, interpolate
 from core.engine.decode import Verification
 from core.engine.engine import tree_spec
-from core.recipe import PLUGIN_PREFIX, Recipe
+from core.mechanisms import modelled
+from core.recipe import Recipe
 
 EXTRA = 16  # tokens recorded past each request's end: deep enough for the deepest draft an agent sweeps
 
@@ -31,11 +32,9 @@ def drafter_key(recipe: Recipe, layers: int) -> str:
 
 
 def _modelled(recipe: Recipe) -> Recipe:
-    """Plugin tree policies are candidate code the loop never imports; model them as a depth-matched chain,
-    as the round's profile did."""
-    if recipe.tree.policy.startswith(PLUGIN_PREFIX):
-        return recipe.replace(tree={"policy": "chain"})
-    return recipe
+    """Plugins are candidate code the loop never imports; model them with built-in stand-ins (a plugin tree
+    policy as a depth-matched chain, a plugin draft length as the full depth), as the round's profile did."""
+    return modelled(recipe)
 
 
 class CostTools:

@@ -4,9 +4,10 @@ Autoregressive decoding is the same loop with a root-only tree, so both paths sh
 touches the cache. Verification rules:
   greedy     accept the longest path whose tokens equal the target's argmax, plus the bonus token;
   seeded     the same with the target's choice = argmax(logits/T + gumbel(seed, request, position));
-  rejection  standard speculative sampling on a chain (accept with min(1, p/q), else resample p - q);
-  lossy_top2 a deliberately lossy test mechanism (accepts a draft within the target's top 2) that
-             token forcing must reject.
+  rejection  standard speculative sampling on a chain (accept with min(1, p/q), else resample p - q).
+Each rule is an `AcceptanceRule` registered under kind "acceptance" (core/engine/builtins.py); generation
+looks the recipe's rule up in the registry, so a plugin rule runs through exactly this loop. A draft-length
+policy (kind "draft_length") may shorten each step's draft from the row's recent acceptance.
 Tie policy: the target's choice is torch.argmax over its logits in the run's dtype (the first index wins
 an exact tie); near-ties that flip between kernels of different shapes are counted apart by forcing.
 """
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -22,6 +24,7 @@ from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import Transformer
 from core.engine.sampling import filtered, seeded_scores
 from core.engine.tree import DraftTree, batch_tensors
+from core.mechanisms import lookup
 
 
 class GenerationError(ValueError):
@@ -72,12 +75,28 @@ class Verification:
     seed: int = 0
 
 
+Choices = Callable[[torch.Tensor, list[DraftTree], "Verification", torch.Tensor, list[int]], list]
+Accept = Callable[[DraftTree, object, torch.Generator], tuple[list[int], int]]
+DraftLength = Callable[[int, list[int]], int]
+
+
+@dataclass(frozen=True)
+class AcceptanceRule:
+    """How verification decides: `choices` turns the target's logits [B, T, V] over every row's tree into
+    a per-row choice (ids, probabilities, ...); `accept` walks one row's tree with its choice and returns
+    the accepted node path and the bonus token. `batched`: continuous batching may serve it."""
+
+    choices: Choices
+    accept: Accept
+    batched: bool = False
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _accept(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
+def _accept(tree: DraftTree, choice: list[int], gen: torch.Generator | None = None) -> tuple[list[int], int]:
     """Greedy walk: follow children whose token equals the target's choice; return path and bonus."""
     children = {(tree.parents[i], tree.tokens[i]): i for i in range(1, len(tree))}
     path, node = [], 0
@@ -85,19 +104,6 @@ def _accept(tree: DraftTree, choice: list[int]) -> tuple[list[int], int]:
         node = children[(node, choice[node])]
         path.append(node)
     return path, choice[node]
-
-
-def _accept_top2(tree: DraftTree, top2: list[list[int]]) -> tuple[list[int], int]:
-    children: dict[int, list[int]] = {}
-    for i in range(1, len(tree)):
-        children.setdefault(tree.parents[i], []).append(i)
-    path, node = [], 0
-    while True:
-        nxt = next((c for c in children.get(node, []) if tree.tokens[c] in top2[node]), None)
-        if nxt is None:
-            return path, top2[node][0]
-        node = nxt
-        path.append(node)
 
 
 def _accept_rejection(tree: DraftTree, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
@@ -120,9 +126,11 @@ def _accept_rejection(tree: DraftTree, p: torch.Tensor, gen: torch.Generator) ->
 def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[int]],
              max_new_tokens: int | list[int], spec: TreeSpec | None = None,
              verification: Verification | None = None, request_ids: list[int] | None = None,
-             eos_token_ids: list[int] | None = None) -> GenerateResult:
-    """Generate for a batch of prompts; `drafter=None` (or spec=None) is autoregressive decoding."""
+             eos_token_ids: list[int] | None = None, draft_length: DraftLength | None = None) -> GenerateResult:
+    """Generate for a batch of prompts; `drafter=None` (or spec=None) is autoregressive decoding.
+    `draft_length(depth, recent)` caps each row's draft depth per step from its recent accepted counts."""
     ver = verification or Verification()
+    rule: AcceptanceRule = lookup("acceptance", ver.sampling)
     B = len(prompts)
     if B == 0:
         return GenerateResult([], [], 0.0)
@@ -162,32 +170,33 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
         committed = [list(p[:-1]) for p in prompts]
         active = [n > 0 for n in limits]
         steps: list[StepStats] = []
+        recent: list[list[int]] = [[] for _ in range(B)]
         t_prev = time.perf_counter()
         while any(active):
             t0 = time.perf_counter()
-            if speculative:
+            if speculative and draft_length is not None:
+                caps = [_cap(draft_length, spec.depth_limit, recent[b]) for b in range(B)]
+                step_spec = spec.shortened(max(c for c, a in zip(caps, active) if a))
+                trees = [_truncate(t, c) for t, c in zip(drafter.draft(step_spec, mode, active), caps)]
+            elif speculative:
                 trees = drafter.draft(spec, mode, active)
             else:
                 trees = [DraftTree.root(r) for r in roots]
             _sync(dev)
             t1 = time.perf_counter()
-            choice = verify(target, cache, trees, ver, req, lengths)
+            choice = verify(target, cache, trees, ver, req, lengths, rule)
             _sync(dev)
             t2 = time.perf_counter()
             rows, paths, emitted, accepted = [], [], [], []
             for b in range(B):
                 if not active[b]:
                     continue
-                if ver.sampling == "rejection":
-                    path, bonus = _accept_rejection(trees[b], choice[b], gen)
-                elif ver.sampling == "lossy_top2":
-                    path, bonus = _accept_top2(trees[b], choice[b])
-                else:
-                    path, bonus = _accept(trees[b], choice[b])
+                path, bonus = rule.accept(trees[b], choice[b], gen)
                 rows.append(b)
                 paths.append(path)
                 emitted.append([trees[b].tokens[i] for i in path] + [bonus])
                 accepted.append(len(path) + 1)
+                recent[b] = (recent[b] + [len(path) + 1])[-16:]
             commit_paths(cache, rows, paths, lengths)
             for b, toks in zip(rows, emitted):
                 committed[b].append(roots[b])
@@ -211,14 +220,29 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
     return GenerateResult(out, steps, seconds, committed, cache)
 
 
+def _cap(draft_length: DraftLength, depth: int, recent: list[int]) -> int:
+    """The policy's depth for one row, clamped to [1, depth]: a policy shortens drafts, never lengthens them."""
+    return max(1, min(depth, int(draft_length(depth, list(recent)))))
+
+
+def _truncate(tree: DraftTree, depth: int) -> DraftTree:
+    """Keep only the nodes of a drafted tree within `depth` (parents precede children, so a prefix)."""
+    if max(tree.depths) <= depth:
+        return tree
+    keep = [i for i in range(len(tree)) if tree.depths[i] <= depth]
+    new = {old: j for j, old in enumerate(keep)}
+    return DraftTree([tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
+                     [tree.depths[i] for i in keep], [tree.q[i] for i in keep])
+
+
 def verify(target: Transformer, cache, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
-           lengths: list[int]) -> list:
-    """One target forward over every row's tree; the target's choice at every node."""
+           lengths: list[int], rule: AcceptanceRule | None = None) -> list:
+    """One target forward over every row's tree; the target's choice at every node (by the recipe's rule)."""
     tokens, depths, anc = batch_tensors(trees, target.device)
     B, T = tokens.shape
     logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc,
                          sizes=[len(t) for t in trees])
-    return _choices(logits, trees, ver, req, lengths)
+    return (rule or lookup("acceptance", ver.sampling)).choices(logits, trees, ver, req, lengths)
 
 
 def commit_paths(cache, rows: list[int], paths: list[list[int]], lengths: list[int]) -> None:
@@ -230,15 +254,21 @@ def commit_paths(cache, rows: list[int], paths: list[list[int]], lengths: list[i
     cache.lengths.copy_(torch.tensor(lengths, device=cache.lengths.device))
 
 
-def _choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
-             lengths: list[int]) -> list:
-    """The target's choice at every node: argmax ids, seeded ids, top-2 lists, or probabilities."""
-    if ver.sampling == "greedy":
-        return logits.argmax(-1).tolist()
-    if ver.sampling == "lossy_top2":
-        return logits.topk(2, dim=-1).indices.tolist()
-    if ver.sampling == "rejection":
-        return [filtered(logits[b], ver.temperature, ver.top_p).softmax(-1) for b in range(len(trees))]
+def greedy_choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+                   lengths: list[int]) -> list:
+    """The target's argmax at every node."""
+    return logits.argmax(-1).tolist()
+
+
+def rejection_choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+                      lengths: list[int]) -> list:
+    """The target's filtered probabilities at every node, per row."""
+    return [filtered(logits[b], ver.temperature, ver.top_p).softmax(-1) for b in range(len(trees))]
+
+
+def seeded_choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+                   lengths: list[int]) -> list:
+    """argmax(logits/T + gumbel(seed, request, position)) at every node."""
     B, T, V = logits.shape
     depth = torch.tensor([t.depths + [0] * (T - len(t)) for t in trees])
     positions = torch.tensor(lengths)[:, None] + depth + 1

@@ -31,6 +31,22 @@ class TreeSpec:
             return len(static_prefixes(self.paths or []))
         return self.budget
 
+    @property
+    def depth_limit(self) -> int:
+        """The deepest level this shape drafts."""
+        if self.kind == "static":
+            return max((len(p) for p in self.paths or []), default=0)
+        return self.depth
+
+    def shortened(self, depth: int) -> "TreeSpec":
+        """The same shape cut at `depth` levels (self when it is no deeper), so a short step drafts less."""
+        if depth >= self.depth_limit:
+            return self
+        if self.kind == "static":
+            cut = sorted({tuple(p[:depth]) for p in self.paths or []})
+            return TreeSpec("static", [list(p) for p in cut], depth, self.topk, self.budget)
+        return TreeSpec("dynamic", None, depth, self.topk, self.budget)
+
 
 @dataclass
 class DraftMode:

@@ -9,10 +9,10 @@ import torch
 
 from core.engine.config import ModelLoadError
 from core.engine.decode import GenerateResult, Verification, generate
-from core.engine.drafters import Drafter, ModelDrafter, NgramDrafter, TreeSpec
+from core.engine.drafters import Drafter, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.serve import CostTable, Policy, measure_costs, serve
-from core.engine.tree import chain_paths
+from core.mechanisms import check_recipe, lookup
 from core.recipe import Recipe, stock
 
 
@@ -27,17 +27,9 @@ def _vocab(path: Path) -> dict | None:
 
 
 def tree_spec(recipe: Recipe) -> TreeSpec:
-    """The drafting shape a recipe asks for."""
-    t = recipe.tree
-    if t.policy == "chain":
-        return TreeSpec("static", chain_paths(t.depth))
-    if t.policy == "static":
-        return TreeSpec("static", [list(p) for p in t.paths])
-    if t.policy == "dynamic":
-        return TreeSpec("dynamic", depth=t.depth, topk=t.topk, budget=t.budget)
-    from core.engine.plugins import tree_policy
-
-    return TreeSpec("static", tree_policy(t.policy)(t))
+    """The drafting shape a recipe asks for (its registered tree policy's)."""
+    shape = lookup("tree_policy", recipe.tree.policy)(recipe.tree)
+    return shape if isinstance(shape, TreeSpec) else TreeSpec("static", [list(p) for p in shape])
 
 
 class Engine:
@@ -77,22 +69,16 @@ class Engine:
         once, cached). The linear backend is the deployment's runtime, so the drafter runs on it too: a
         small drafter's forward is mostly per-op overhead, which the fused layer removes (8x on the demo
         drafter), and the drafter only proposes, so its backend never changes the output."""
+        check_recipe(recipe)
         target, drafter = self.target, self.drafter_model
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         self._budget(recipe)
-        if fmt == "gguf":
-            from core.engine.gguf_format import gguf_transformer, source_file
-
-            target = self._converted(fmt, lambda: gguf_transformer(self.target, source_file(self.target_dir)))
+        if fmt != "native":
+            convert = lookup("weight_format", fmt)
+            target = self._converted(fmt, lambda: convert(self.target, self.target_dir, recipe))
             if recipe.weights.drafter and drafter is not None:
-                drafter = self._converted(fmt + ":drafter", lambda: gguf_transformer(
-                    self.drafter_model, source_file(self.drafter_dir)))
-        elif fmt != "native":
-            from core.engine.weights import pack_transformer
-
-            target = self._converted(fmt, lambda: pack_transformer(self.target))
-            if recipe.weights.drafter and drafter is not None:
-                drafter = self._converted(fmt + ":drafter", lambda: pack_transformer(self.drafter_model))
+                drafter = self._converted(fmt + ":drafter",
+                                          lambda: convert(self.drafter_model, self.drafter_dir, recipe))
         if backend != "native":
             target = self._on_backend(fmt, target, backend)
             if drafter is not None:
@@ -126,12 +112,10 @@ class Engine:
     def _on_backend(self, key: str, model: Transformer, backend: str) -> Transformer:
         """`model` (cached under `key`) with its projections on `backend`; fused builds on the skinny copy,
         sharing its packed weights."""
-        from core.engine.linear import linear_transformer
-
         def skinny() -> Transformer:
-            return self._converted(f"{key}+skinny", lambda: linear_transformer(model, "skinny"))
+            return self._converted(f"{key}+skinny", lambda: lookup("linear_backend", "skinny")(model, None))
 
-        return self._converted(f"{key}+{backend}", lambda: linear_transformer(model, backend, skinny))
+        return self._converted(f"{key}+{backend}", lambda: lookup("linear_backend", backend)(model, skinny))
 
     def _converted(self, key: str, build) -> Transformer:
         if key not in self._models:
@@ -145,19 +129,7 @@ class Engine:
                recipe.runtime.linear)
         if key in self._drafters:
             return self._drafters[key]
-        if d.method == "ngram":
-            drafter: Drafter = NgramDrafter(d.ngram_max)
-        elif d.method == "early_exit":
-            layers = d.exit_layer or target.cfg.num_layers // 2
-            if layers >= target.cfg.num_layers:
-                raise ModelLoadError(f"draft.exit_layer = {layers} must be below the target's "
-                                     f"{target.cfg.num_layers} layers")
-            drafter = ModelDrafter(target.truncated(layers))
-        else:
-            if drafter_model is None:
-                raise ModelLoadError("draft.method = 'model' needs a drafter checkpoint; pass --drafter DIR or "
-                                     "use draft.method 'ngram' or 'early_exit'")
-            drafter = ModelDrafter(drafter_model)
+        drafter: Drafter = lookup("drafter", d.method)(self, recipe, target, drafter_model)
         self._drafters[key] = drafter
         return drafter
 
@@ -171,8 +143,9 @@ class Engine:
                            v.temperature, v.top_p, v.seed)
         if not speculative:
             return generate(target, None, prompts, max_new_tokens, None, ver, request_ids)
+        length = None if recipe.draft.length == "fixed" else lookup("draft_length", recipe.draft.length)
         return generate(target, self.drafter_for(recipe), prompts, max_new_tokens, tree_spec(recipe), ver,
-                        request_ids)
+                        request_ids, draft_length=length)
 
     def cost_table(self, recipe: Recipe, batch_sizes: list[int]) -> CostTable:
         """The batching policies' step prices for this recipe's target (weights, linear backend) and drafter
@@ -201,6 +174,11 @@ class Engine:
             return serve(target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
         target, _ = self.models_for(recipe)
         b, v = recipe.batching, recipe.verify
+        if recipe.draft.length != "fixed":
+            from core.engine.decode import GenerationError
+
+            raise GenerationError(f"draft.length = {recipe.draft.length!r} shapes single-request generation; "
+                                  "continuous batching sets depths by batching.policy, so set draft.length = 'fixed'")
         if table is None and b.policy != "fixed":
             table = self.cost_table(recipe, [max_batch])
         policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap, target.ragged)

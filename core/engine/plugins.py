@@ -1,8 +1,9 @@
-"""Plugins: mechanisms registered by name, including agent-written ones from a run's workspace.
+"""Workspace plugins: agent-written mechanisms of any kind, imported only inside judge worker processes.
 
-A workspace plugin is a file `plugins/<name>.py` that calls `register_tree_policy(name, fn)`, where
-`fn(tree_section) -> list[list[int]]` returns a static tree as rank paths; recipes select it with
-`[tree] policy = "plugin:<name>"`. Workspace plugins are imported only inside judge worker processes.
+A workspace plugin is a file `plugins/<name>.py` that registers mechanisms when imported, through the call
+the built-ins use (`core.mechanisms.register(kind, name, impl)`); recipes select one with the
+`plugin:` prefix, e.g. `[draft] length = "plugin:<name>"`. `register_tree_policy` is the older spelling
+for a tree policy, kept so stored plugins still load.
 """
 
 from __future__ import annotations
@@ -11,10 +12,9 @@ import importlib.util
 from pathlib import Path
 from typing import Callable
 
-from core.recipe import PLUGIN_PREFIX
+from core.mechanisms import UnknownMechanism, lookup, register
 
 TreePolicy = Callable[[object], list[list[int]]]
-_TREE_POLICIES: dict[str, TreePolicy] = {}
 
 
 class PluginError(ValueError):
@@ -22,16 +22,15 @@ class PluginError(ValueError):
 
 
 def register_tree_policy(name: str, fn: TreePolicy) -> None:
-    _TREE_POLICIES[name] = fn
+    """Register a tree-policy plugin (the same as register("tree_policy", name, fn))."""
+    register("tree_policy", name, fn)
 
 
 def tree_policy(policy: str) -> TreePolicy:
-    name = policy.removeprefix(PLUGIN_PREFIX)
-    if name not in _TREE_POLICIES:
-        known = ", ".join(sorted(_TREE_POLICIES)) or "none loaded"
-        raise PluginError(f"tree policy plugin {name!r} is not registered ({known}); "
-                          f"add plugins/{name}.py to the workspace")
-    return _TREE_POLICIES[name]
+    try:
+        return lookup("tree_policy", policy)
+    except UnknownMechanism as exc:
+        raise PluginError(str(exc)) from None
 
 
 def load_workspace(workspace: str | Path) -> list[str]:

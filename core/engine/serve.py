@@ -2,7 +2,8 @@
 
 Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
 next queued prompt, or by the last active row), so every forward runs on exactly the active batch.
-Batching policies decide each row's draft depth per step:
+Batching policies (kind "batching" in core/mechanisms.py, looked up by name) decide each row's draft
+depth per step:
   fixed     the recipe's tree for every row (stock behaviour);
   budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
             size (down to 0: no speculation where it stops paying);
@@ -26,11 +27,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _accept, _sync,
+from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _sync, _truncate,
                                 commit_paths, verify)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import KVCache, Transformer
 from core.engine.tree import DraftTree, chain_paths
+from core.mechanisms import lookup
 
 MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6
@@ -159,18 +161,8 @@ class Policy:
     overhead_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> depth -> ms
 
     def depths(self, alphas: list[float]) -> list[int] | None:
-        """Per-row chain depths for this step, or None to use `spec` unchanged."""
-        n = len(alphas)
-        if self.name == "fixed" or self.table is None:
-            return None
-        mean = sum(alphas) / n
-        uniform = best_uniform_depth(self.table, n, mean, overhead_ms=self.overhead_ms.get(n))
-        if self.name == "budget":
-            return [uniform] * n
-        if self.name == "allocate":
-            return allocate(alphas, self.node_budget or n * uniform)
-        cap = self.token_cap or bend(self.table, n)
-        return allocate(alphas, min(cap - n, n * max(uniform, 1)))
+        """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's)."""
+        return lookup("batching", self.name)(self, alphas)
 
     def observe(self, depths: list[int], step_ms: float) -> None:
         """Learn what a step of this batch size and depth (the deepest draft; the mean one on a ragged
@@ -191,7 +183,8 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
           verification: Verification | None = None, request_ids: list[int] | None = None) -> GenerateResult:
     """Serve every request with at most `max_batch` in flight; outputs come back in request order."""
     ver = verification or Verification()
-    if ver.sampling not in ("greedy", "seeded"):
+    rule = lookup("acceptance", ver.sampling)
+    if not rule.batched:
         raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
     policy = policy or Policy()
     ids = request_ids if request_ids is not None else list(range(len(prompts)))
@@ -247,12 +240,12 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                     trees = [_truncate(t, d) for t, d in zip(trees, depths)]
             _sync(dev)
             t2 = time.perf_counter()
-            choice = verify(target, view, trees, ver, req_ids, lengths)
+            choice = verify(target, view, trees, ver, req_ids, lengths, rule)
             _sync(dev)
             t3 = time.perf_counter()
             paths, emitted, accepted = [], [], []
             for b in range(n):
-                path, bonus = _accept(trees[b], choice[b])
+                path, bonus = rule.accept(trees[b], choice[b], None)
                 paths.append(path)
                 emitted.append([trees[b].tokens[i] for i in path] + [bonus])
                 accepted.append(len(path) + 1)
@@ -293,11 +286,3 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
             steps.append(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t1 - t0 + t5 - t4) * 1e3,
                                    sum(len(t) for t in trees), accepted))
     return GenerateResult(outputs, steps, time.perf_counter() - start)
-
-
-def _truncate(tree: DraftTree, depth: int) -> DraftTree:
-    """Keep only the nodes of a drafted tree within `depth` (parents precede children, so a prefix)."""
-    keep = [i for i in range(len(tree)) if tree.depths[i] <= depth]
-    new = {old: j for j, old in enumerate(keep)}
-    return DraftTree([tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
-                     [tree.depths[i] for i in keep], [tree.q[i] for i in keep])
