@@ -34,7 +34,7 @@ def test_every_kind_has_its_builtins_registered():
         "draft_length": ("fixed",),
         "acceptance": ("greedy", "seeded", "rejection"),
         "batching": ("fixed", "budget", "allocate", "cap"),
-        "weight_format": ("native", "packed12"),
+        "weight_format": ("native", "packed12", "gguf"),
         "linear_backend": ("native", "onednn", "skinny", "fused"),
     }
     assert {k: builtin_names(k) for k in kinds()} == expected
