@@ -255,12 +255,21 @@ def builtin(name: str) -> Recipe:
         "batch-allocate": Recipe(name="batch-allocate", batching=BatchingSection(policy="allocate")),
         "batch-cap": Recipe(name="batch-cap", batching=BatchingSection(policy="cap")),
     }
+    gguf = WeightsSection(format="gguf", drafter=True)  # a GGUF checkpoint's own blocks, target and drafter
+    presets.update({
+        "stock-gguf": Recipe(name="stock-gguf", weights=gguf),
+        "ngram-gguf": Recipe(name="ngram-gguf", draft=DraftSection(method="ngram", ngram_max=3),
+                             tree=TreeSection(policy="chain", depth=8), weights=gguf),
+        "ngram-tree-gguf": Recipe(name="ngram-tree-gguf", draft=DraftSection(method="ngram", ngram_max=3),
+                                  tree=TreeSection(policy="dynamic", depth=8, budget=16, topk=4), weights=gguf),
+    })
     if name not in presets:
         raise RecipeError(f"unknown built-in recipe {name!r}; built-ins: {', '.join(presets)}, or a .toml path")
     return presets[name].validate()
 
 
-BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "batch-budget", "batch-allocate",
+BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "stock-gguf", "ngram-gguf",
+            "ngram-tree-gguf", "batch-budget", "batch-allocate",
             "batch-cap")
 
 
