@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from core.recipe import RecipeError
@@ -33,6 +34,8 @@ def loop_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-requests", type=int, default=None, help="cap requests per split (quicker rounds)")
     p.add_argument("--max-new-tokens", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", type=int, default=None, metavar="RUN",
+                   help="continue a stopped or interrupted run after its last finished round (its own options)")
 
 
 def db_path(args: argparse.Namespace) -> str:
@@ -67,12 +70,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from core.loop import build_loop, stderr_progress
 
-    loop = build_loop(args)
-    if not args.auto and args.headless:
-        print("specpilot: --headless without --auto waits for decisions that nobody can give; add --auto or use "
-              "specpilot-tui", file=sys.stderr)
+    nobody = ("specpilot: --headless without --auto waits for decisions that nobody can give; add --auto or use "
+              "specpilot-tui")
+    if not args.auto and args.headless and args.resume is None:
+        print(nobody, file=sys.stderr)
         return 2
-    summary = loop.run(stderr_progress)
+    loop = build_loop(args)
+    if not loop.config.auto and args.headless:  # a resumed run keeps its own --auto
+        print(nobody, file=sys.stderr)
+        return 2
+    with _first_sigint_aborts(loop):
+        summary = loop.run(stderr_progress)
+    if loop.status == "interrupted":
+        return 130
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
@@ -84,13 +94,38 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextmanager
+def _first_sigint_aborts(loop):
+    """The first Ctrl-C ends the step in flight cleanly (workers killed, run closed as interrupted);
+    a second one interrupts at once."""
+    import signal
+
+    def handler(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(f"specpilot: interrupted; stopping {loop.waiting_for} (Ctrl-C again to force)", file=sys.stderr)
+        loop.abort("interrupted (SIGINT)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _store(args: argparse.Namespace):
+    """The store, opened read-only: these commands never write (it works on a read-only filesystem)."""
     from core.store import Store
 
     path = db_path(args)
     if not Path(path).is_file():
         raise FileNotFoundError(f"no store at {path}; run `specpilot run` first or pass --db PATH")
-    return Store(path)
+    return Store(path, read_only=True)
+
+
+def _when(epoch: float | None) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) if epoch else "-"
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -98,12 +133,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs, indent=2, default=str))
         return 0
-    print(f"{'run':>4}  {'status':<9}{'rounds':>7}{'best':>8}  started              deployment")
+    print(f"{'run':>4}  {'status':<12}{'rounds':>7}{'best':>8}  started              deployment")
     for r in runs:
-        best = f"x{r['best_heldout_speedup']:.2f}" if r.get("best_heldout_speedup") else "-"
+        best = f"{r['best_heldout_speedup']:.2f}x" if r.get("best_heldout_speedup") else "-"
         dep = r.get("deployment") or {}
         name = f"{Path(dep.get('target', '?')).name} + {Path(dep.get('drafter') or 'none').name}"
-        print(f"{r['id']:>4}  {r['status']:<9}{r['rounds']:>7}{best:>8}  {str(r['started_at'])[:19]:<20} {name}")
+        print(f"{r['id']:>4}  {r['status']:<12}{r['rounds']:>7}{best:>8}  {_when(r['started_at']):<20} {name}")
     return 0
 
 
@@ -121,7 +156,8 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(detail, indent=2, default=str))
         return 0
-    print(f"run {run['id']} ({run['status']})")
+    reason = (run.get("summary") or {}).get("reason")
+    print(f"run {run['id']} ({run['status']}{': ' + reason if reason and run['status'] != 'finished' else ''})")
     for r in detail["rounds"]:
         inc = r.get("incumbent") or {}
         report = r.get("gaps") or {}
@@ -222,6 +258,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (ModelLoadError, GenerationError, WorkloadError, RecipeError, FileNotFoundError, ValueError,
             StoreError) as exc:
+        print(f"specpilot: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from core.agents.claude import MissingAPIKey
+
+        if not isinstance(exc, MissingAPIKey):
+            raise
         print(f"specpilot: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

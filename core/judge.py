@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from core import progress
 from core.deployment import Deployment
 from core.recipe import Recipe
 from core.stats import Comparison, compare, noise_floor, speedups
@@ -347,14 +348,16 @@ class Judge:
         with self.lock:
             (fresh,) = self._start([(incumbent, None)], baseline=True)
             try:
-                _, samples = self._ab(self._bound(incumbent), fresh, self.tuning)
+                with progress.step("A/A noise floor"):
+                    _, samples = self._ab(self._bound(incumbent), fresh, self.tuning)
                 ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
                 self.floor = noise_floor(ratios, self.seed)
                 stock_side = fresh if same else self._bound(stock)
-                stock_outputs = [(r, stock_side.timed(r)[0]) for r in self.tuning]
+                stock_outputs = _each("stock outputs for forcing", self.tuning, stock_side.timed)
                 vs_ar = None
                 if versus_ar:
-                    _, ar_samples = self._ab(self._bound(None), fresh, versus_ar)
+                    with progress.step("stock vs AR"):
+                        _, ar_samples = self._ab(self._bound(None), fresh, versus_ar)
                     vs_ar = compare(speedups([s["incumbent_tps"] for s in ar_samples],
                                              [s["candidate_tps"] for s in ar_samples]), self.floor, self.seed)
             finally:
@@ -379,12 +382,14 @@ class Judge:
         n = len(workers)
         timings: list[list[dict]] = [[] for _ in workers]
         outputs: list[list[Pair]] = [[] for _ in workers]
-        for i, req in enumerate(requests):
-            for k in range(n):
-                j = (i + k) % n
-                tokens, seconds = workers[j].timed(req)
-                timings[j].append({"seconds": seconds, "tps": min(len(tokens), req.max_new_tokens) / seconds})
-                outputs[j].append((req, tokens))
+        with progress.step("timing requests", len(requests)):
+            for i, req in enumerate(requests):
+                for k in range(n):
+                    j = (i + k) % n
+                    tokens, seconds = workers[j].timed(req)
+                    timings[j].append({"seconds": seconds, "tps": min(len(tokens), req.max_new_tokens) / seconds})
+                    outputs[j].append((req, tokens))
+                progress.advance()
         return timings, outputs
 
     def _ab(self, incumbent: Worker | Bound, candidate: Worker | Bound,
@@ -450,7 +455,7 @@ class Judge:
                     gate("smoke", False, f"emitted {len(tokens)} tokens for max_new_tokens {short.max_new_tokens}")
                     return verdict
                 gate("smoke", True, f"{len(tokens)} tokens on a short request")
-                outputs = [(r, cand.timed(r)[0]) for r in self.tuning]
+                outputs = _each("outputs for token forcing", self.tuning, cand.timed)
                 forcing = self._forced(outputs, recipe)
                 verdict.forcing = forcing
                 if on_forcing:
@@ -467,7 +472,8 @@ class Judge:
                         return verdict
                 incumbent_side = inc if inc is not None else self._bound(incumbent)
                 for split, requests in (("tuning", self.tuning), ("heldout", self.heldout)):
-                    timed_outputs, samples = self._ab(incumbent_side, cand, requests)
+                    with progress.step(f"{split} A/B"):
+                        timed_outputs, samples = self._ab(incumbent_side, cand, requests)
                     verdict.samples[split] = samples
                     check = self._forced(timed_outputs, recipe)
                     if not check["passed"]:
@@ -527,6 +533,16 @@ class Judge:
         rates = [[s["tps"] for s in side] for side in (ar, base, new)]
         return (compare(speedups(rates[0], rates[2]), self.floor, self.seed),
                 compare(speedups(rates[1], rates[2]), self.floor, self.seed))
+
+
+def _each(name: str, requests: list[JudgeRequest], timed: Callable) -> list[Pair]:
+    """Each request's output from `timed`, reported as a step of len(requests)."""
+    out: list[Pair] = []
+    with progress.step(name, len(requests)):
+        for r in requests:
+            out.append((r, timed(r)[0]))
+            progress.advance()
+    return out
 
 
 def _has_plugins(workspace: str | Path | None) -> bool:

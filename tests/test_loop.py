@@ -78,7 +78,7 @@ def test_show_prints_each_round(first_run, capsys):
     assert main(["show", str(summary["run"]), "--db", str(db)]) == 0
     out = capsys.readouterr().out.splitlines()
     rnd = summary["rounds"][0]
-    assert out[0] == f"run {summary['run']} (done)"
+    assert out[0] == f"run {summary['run']} (finished)"
     assert out[1].startswith(f"round 1: largest gap {rnd['largest_gap']} (ms/token: acceptance ")
     for c in rnd["candidates"]:
         line = next(x for x in out if c["title"][:50] in x)

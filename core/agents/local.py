@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate
+from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate, rejection_line, rejection_of
 from core.agents.diffs import make_unified_diff
 from core.deployment import Deployment
 from core.engine.tree import static_prefixes
@@ -131,6 +131,9 @@ class LocalAgent:
         """Propose the best option if it clears MIN_GAIN over the incumbent, else fail saying how close it got."""
         inc_toml = ctx.recipe.to_toml()
         options = [o for o in options if o.recipe.to_toml() != inc_toml]
+        for o in [o for o in options if rejection_of(o.recipe, ctx.recipe, ctx.rejected)]:
+            say(f"not proposing {o.label}: it repeats {rejection_line(rejection_of(o.recipe, ctx.recipe, ctx.rejected))}")
+            options.remove(o)
         if not options:
             return AgentFailure(self.name, f"no {what} differs from the incumbent")
         best = best_of(options, self.tie_seed(ctx))
@@ -450,7 +453,8 @@ class MemoryAgent(LocalAgent):
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         here = _fingerprint(ctx.deployment)
-        found = applicable(ctx.memory, ctx.recipe)
+        found = [(e, r) for e, r in applicable(ctx.memory, ctx.recipe)
+                 if r is None or not rejection_of(r, ctx.recipe, ctx.rejected)]
         if not found:
             return AgentFailure(self.name, f"no remembered mechanism applies: {len(ctx.memory)} entries, all already "
                                            "in the incumbent or invalid for it")

@@ -82,6 +82,32 @@ def _on_begin(conn: object) -> None:
     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")  # type: ignore[attr-defined]
 
 
+def _read_only_connect(path: Path) -> sqlite3.Connection:
+    """A connection that can never write: mode=ro, or immutable=1 where even the WAL index cannot be
+    created (a read-only filesystem), so `runs` and `show` work on a store nobody may change."""
+    base = f"file:{quote(str(path.resolve()))}"
+    conn = sqlite3.connect(f"{base}?mode=ro", uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError:
+        conn.close()
+    return sqlite3.connect(f"{base}?immutable=1", uri=True, check_same_thread=False)
+
+
+def _on_connect_read_only(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+    dbapi_conn.isolation_level = None
+    dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+
+
+def make_read_only_engine(path: Path) -> Engine:
+    """An engine for reading an existing store without writing a byte (no schema, no WAL switch)."""
+    engine = create_engine("sqlite://", creator=lambda: _read_only_connect(path))
+    event.listen(engine, "connect", _on_connect_read_only)
+    event.listen(engine, "begin", _on_begin)
+    return engine
+
+
 def make_engines(path: Path) -> tuple[Engine, Engine]:
     """(reader, writer) engines over one pool; the writer's transactions begin IMMEDIATE."""
     engine = create_engine(f"sqlite:///{path}", connect_args={"check_same_thread": False,
