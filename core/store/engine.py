@@ -35,7 +35,7 @@ def inspect_file(path: Path) -> int | None:
             raise StoreError(f"{path} is not an SQLite database (corrupt or another kind of file); "
                              "move it aside or pass another --db path")
     try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+        conn = _read_only_connect(path)
         try:
             tables = {row[0] for row in conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
