@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 import sys
 from functools import partial
 from typing import Callable, Sequence
@@ -27,6 +29,8 @@ from core.events import Event, LoopHandle
 from themes import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
 
 LIVE_ONLY = {"approve", "reject", "toggle_pause"}
+QUIT_GRACE_S = 15.0  # how long quitting waits for the step in flight to stop before leaving anyway
+SIGNALS = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +69,7 @@ class SpecPilotApp(App[int]):
         self.store_opener = store_opener or partial(open_store, db_path(self.args))
         self.bridge: LoopBridge | None = None
         self._startup_theme: str | None = None
+        self._exiting: int | None = None  # the exit status, once quitting has begun
         for theme in THEMES:
             self.register_theme(theme)
 
@@ -83,6 +88,12 @@ class SpecPilotApp(App[int]):
         self.theme = self._initial_theme()
         self._startup_theme = self.theme if not self.args.theme else None
         self.theme_changed_signal.subscribe(self, self._remember_theme)
+        loop = asyncio.get_running_loop()
+        for signum, name in SIGNALS.items():
+            try:
+                loop.add_signal_handler(signum, self._begin_exit, f"interrupted ({name})", 128 + signum)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread, or no signals here: the default handling stays
         if self.loop_factory is not None:
             self.bridge = LoopBridge(self.loop_factory, self.post_message)
             self._run_loop()
@@ -123,6 +134,9 @@ class SpecPilotApp(App[int]):
 
     def on_loop_ended(self, message: LoopEnded) -> None:
         """A loop that raised: report it, unless its own `error` event already did."""
+        if self._exiting is not None or not any(isinstance(s, MainScreen) for s in self.screen_stack):
+            self.exit(return_code=self._exiting or 0)  # quitting (or already torn down): nothing left to show
+            return
         live = self.live
         if message.error and live.state.loop_state != "failed":
             live.feed(Event("state", {"state": "failed"}))
@@ -213,9 +227,21 @@ class SpecPilotApp(App[int]):
             self.push_screen(HelpScreen())
 
     async def action_quit(self) -> None:
-        if self.bridge is not None:
-            self.bridge.stop()
-        self.exit(0)
+        self._begin_exit("quit", 1 if self.live.state.loop_state == "failed" else 0)
+
+    def _begin_exit(self, why: str, code: int) -> None:
+        """Leave: at once when no loop runs; else stop the step in flight (its workers are killed), say
+        what is being waited for, and exit when the loop has ended (or after QUIT_GRACE_S). Asked twice,
+        leave now."""
+        if self._exiting is not None or self.bridge is None or not self.bridge.running:
+            self.exit(return_code=code if self._exiting is None else self._exiting)
+            return
+        self._exiting = code
+        waiting = self.bridge.waiting_for
+        self.bridge.abort(why)
+        self.live.state.quitting = waiting
+        self.live.report(f"quitting: stopping {waiting} (workers are killed); q again to leave at once", "notice")
+        self.set_timer(QUIT_GRACE_S, lambda: self.exit(return_code=self._exiting or 0))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,7 +250,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     factory = None if args.replay is not None else partial(build_handle, args)
     app = SpecPilotApp(args, loop_factory=factory)
     app.run()
-    return app.return_code or 0
+    code = app.return_code or 0
+    if app.bridge is not None and not app.bridge.join(QUIT_GRACE_S):
+        from core.judge import kill_workers
+
+        print(f"specpilot-tui: the loop did not stop within {QUIT_GRACE_S:.0f} s ({app.bridge.waiting_for}); "
+              f"killed {kill_workers()} worker(s) and left", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -136,6 +136,8 @@ class DashboardState:
             "run_started": self._run_started,
             "round_started": self._round_started,
             "state": self._state,
+            "progress": self._progress,
+            "agent_done": self._agent_done,
             "gaps": self._gaps,
             "agent_started": self._agent_started,
             "agent_chunk": self._agent_chunk,
@@ -161,7 +163,10 @@ class DashboardState:
         self.agents: list[str] = []
         self.auto = False
         self.round: int | None = None
-        self.loop_state = "idle"
+        self.loop_state = "starting"
+        self.progress: dict[str, Any] | None = None
+        self.run_status: str | None = None
+        self.quitting: str | None = None  # what quitting waits for, once `q` was pressed
         self.gaps: GapView | None = None
         self.candidates: dict[str, CandidateView] = {}
         self.forcing: dict[str, ForcingView] = {}
@@ -247,8 +252,23 @@ class DashboardState:
         return {"header", "candidates", "stream", "forcing"}
 
     def _state(self, p: dict[str, Any]) -> set[str]:
-        self.loop_state = str(p["state"])
-        return {"header"}
+        state = str(p["state"])
+        if state != "paused":
+            self.progress = None  # a new phase: the last step's progress is over
+        self.loop_state = state
+        return {"header", "status"}
+
+    def _progress(self, p: dict[str, Any]) -> set[str]:
+        self.progress = {"step": str(p["step"]), "done": int(p.get("done") or 0), "total": p.get("total"),
+                         "elapsed_s": _num(p.get("elapsed_s")) or 0.0, "eta_s": _num(p.get("eta_s"))}
+        return {"status"}
+
+    def _agent_done(self, p: dict[str, Any]) -> set[str]:
+        cand = self._cand(p["cid"])
+        cand.title = str(p.get("title") or cand.title)
+        if cand.state == "streaming":
+            cand.state = "queued"
+        return {"candidates"}
 
     def _gaps(self, p: dict[str, Any]) -> set[str]:
         gaps = [(str(g["component"]), float(g["ms_per_token"])) for g in p.get("gaps", [])]
@@ -339,9 +359,13 @@ class DashboardState:
 
     def _run_finished(self, p: dict[str, Any]) -> set[str]:
         self.summary = p.get("summary")
+        self.run_status = str(p.get("status") or "finished")
         best = self.best_speedup
         tail = f": best {best:.2f}x over AR" if best is not None else ""
-        return {"header"} | self._alert("information", f"run {p.get('run', self.run)} finished{tail}")
+        reason = (self.summary or {}).get("reason") if isinstance(self.summary, dict) else None
+        if self.run_status != "finished" and reason:
+            tail += f" ({reason})"
+        return {"header"} | self._alert("information", f"run {p.get('run', self.run)} {self.run_status}{tail}")
 
     def _notice(self, p: dict[str, Any]) -> set[str]:
         return self._alert("information", str(p.get("message", "")))

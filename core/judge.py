@@ -22,6 +22,7 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -73,6 +74,18 @@ class JudgeRequest:
     max_new_tokens: int
 
 
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # every worker process not yet killed
+
+
+def kill_workers() -> int:
+    """Kill every live worker of this process (a quitting dashboard that cannot wait for the loop);
+    returns how many there were."""
+    live = list(_LIVE)
+    for w in live:
+        w.kill()
+    return len(live)
+
+
 class Worker:
     """One resident engine in a subprocess, driven over pipes; replies arrive on a private descriptor.
 
@@ -97,6 +110,7 @@ class Worker:
                                      stdout=subprocess.DEVNULL, stderr=self.log, pass_fds=(write_fd,),
                                      start_new_session=True, env=env, text=True)
         os.close(write_fd)
+        _LIVE.add(self)
         self.reply_fd = read_fd
         self.buffer = b""
         self._closed = False
@@ -217,6 +231,7 @@ class Worker:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        _LIVE.discard(self)
 
     def close(self) -> None:
         if self._closed:

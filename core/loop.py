@@ -416,8 +416,9 @@ class Loop:
             with progress.step(f"judging {cid}"):
                 verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
             for split, samples in verdict.samples.items():
-                comp = getattr(verdict, split)
-                self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
+                comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
+                self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
+                                                       "samples": samples})
             failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
             pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
         return pending
@@ -671,26 +672,12 @@ def stderr_progress(event: Event) -> None:
     elif event.kind == "notice":
         line = f"  {event.kind}: {p['message']}"
     elif event.kind == "progress" and _progress_worth_a_line(p):
-        line = f"  {progress_text(p)}"
+        line = f"  {progress.describe(p)}"
     elif event.kind == "run_finished":
         line = f"run {p['run']} {p.get('status', 'finished')}" + (f": {p['summary']['reason']}"
                                                                  if (p.get("summary") or {}).get("reason") else "")
     if line:
         print(line, file=sys.stderr, flush=True)
-
-
-def _clock(seconds: float) -> str:
-    seconds = int(round(seconds))
-    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
-
-
-def progress_text(p: dict) -> str:
-    """A `progress` payload in words: 'calibration: A/A noise floor 12/40 requests, 1m02s, ETA 3m10s'."""
-    done, total = p.get("done") or 0, p.get("total")
-    count = f" {done}/{total} requests" if total else ""
-    eta = p.get("eta_s")
-    tail = f", ETA {_clock(eta)}" if eta is not None and total and done < total else ""
-    return f"{p.get('step', '')}{count}, {_clock(p.get('elapsed_s') or 0)}{tail}"
 
 
 _printed: dict[str, int] = {}

@@ -95,3 +95,20 @@ def advance(n: int = 1) -> None:
         stack[-1].done += n
         _emit(stack[-1])
     check()
+
+
+def clock(seconds: float) -> str:
+    """Seconds as a person reads a duration: 42s, 3m05s, 1h02m."""
+    seconds = int(round(seconds))
+    if seconds >= 3600:
+        return f"{seconds // 3600}h{seconds % 3600 // 60:02d}m"
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def describe(p: dict) -> str:
+    """A `progress` payload in words: 'calibration: A/A noise floor: 12/40 requests, 1m02s, ETA 3m10s'."""
+    done, total = p.get("done") or 0, p.get("total")
+    count = f" {done}/{total} requests" if total else ""
+    eta = p.get("eta_s")
+    tail = f", ETA {clock(eta)}" if eta is not None and total and done < total else ""
+    return f"{p.get('step', '')}{count}, {clock(p.get('elapsed_s') or 0)}{tail}"

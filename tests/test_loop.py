@@ -20,7 +20,7 @@ from core.cli import main
 from core.events import GATES
 from core.store import Store
 
-SPECPILOT = Path(sys.executable).parent / "specpilot"
+ROOT = Path(__file__).resolve().parent.parent
 CANDIDATE_KEYS = {"agent", "title", "gates", "verdict", "reason", "heldout_speedup", "interval"}
 INCUMBENT_KEYS = {"recipe", "heldout_speedup_vs_ar", "heldout_speedup_vs_stock", "interval"}
 
@@ -38,9 +38,10 @@ def run_argv(mini: dict, db: Path, *extra: str, rounds: int = 1, agents: str = "
 
 
 def cli(*argv: str, cwd: Path) -> subprocess.Popen:
-    command = [str(SPECPILOT)] if SPECPILOT.exists() else [sys.executable, "-m", "core.cli"]
-    return subprocess.Popen(command + list(argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    """This checkout's `specpilot` (an installed console script may belong to another checkout)."""
+    return subprocess.Popen([sys.executable, "-m", "core.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)})
 
 
 @pytest.fixture(scope="module")

@@ -603,3 +603,131 @@ def test_parser_matches_specpilot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_parser().parse_args(["--replay", "7", "--auto"]).replay == "7"
     with pytest.raises(SystemExit):
         main(["--rounds", "many"])
+
+
+# --- progress, quitting, signals, the run's end ----------------------------------------------------
+
+
+class SlowCore(FakeCore):
+    """A core stuck in one long step until it is aborted, as the real loop is in a measurement."""
+
+    def __init__(self) -> None:
+        super().__init__(rounds=1)
+        self.aborted: list[str] = []
+        self.waiting_for = "calibration: A/A noise floor"
+
+    def run(self, emit: Any) -> None:
+        self._emit = emit
+        self._raw("run_started", {"run": 1, "deployment": {}, "agents": [], "auto": False})
+        self._raw("state", {"state": "measuring"})
+        self._raw("progress", {"state": "measuring", "step": self.waiting_for, "done": 12, "total": 40,
+                               "elapsed_s": 62.0, "eta_s": 190.0})
+        try:
+            self._wait_for(lambda: False)
+        except Exception:
+            self._raw("state", {"state": "stopped"})
+        finally:
+            self.finished.set()
+
+    def abort(self, why: str) -> None:
+        self.aborted.append(why)
+        self.stop()
+
+
+def test_progress_of_a_long_step_shows_while_measuring() -> None:
+    core = SlowCore()
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        line = app.live.query_one(StatusLine)
+        await until(pilot, lambda: "12/40" in line.text)
+        assert line.text.strip() == "⏳ measuring: calibration: A/A noise floor 12/40 requests, 1m02s, ETA 3m10s"
+        assert "measuring" in app.live.query_one(StatusHeader).text
+        app.live.feed(Event("state", {"state": "proposing"}))
+        await pilot.pause(0.05)
+        assert "12/40" not in line.text  # the step is over once the next phase begins
+        core.abort("test over")
+
+    drive(app, script)
+
+
+def test_quit_during_a_step_says_what_it_waits_for_then_stops_it() -> None:
+    core = SlowCore()
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: app.live.state.progress is not None)
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+        assert core.aborted == ["quit"] and core.finished.is_set()
+        assert "quitting: stopping calibration: A/A noise floor" in " ".join(notifications(app) + [
+            app.live.query_one(StatusLine).text])
+
+    drive(app, script)
+    assert app.return_code == 0
+
+
+def test_sigint_stops_the_step_and_exits_130() -> None:
+    import os
+    import signal
+
+    core = SlowCore()
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: app.live.state.progress is not None)
+        os.kill(os.getpid(), signal.SIGINT)
+        await until(pilot, lambda: app.return_code is not None)  # the app leaves by itself
+
+    drive(app, script)
+    assert core.aborted == ["interrupted (SIGINT)"]
+    assert app.return_code == 130
+
+
+def test_the_dashboard_exits_non_zero_after_a_failed_run() -> None:
+    core = FakeCore(rounds=1, auto=True, fail_with="the judge's worker died")
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: app.live.state.loop_state == "failed")
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+
+    drive(app, script)
+    assert app.return_code == 1
+
+
+def _two_waiting() -> list[Event]:
+    events = [Event("run_started", {"run": 1, "deployment": {}, "agents": [], "auto": False}),
+              Event("round_started", {"round": 1})]
+    for cid in ("c1", "c2", "c3"):
+        events += [Event("agent_started", {"cid": cid, "agent": "local", "direction": "verify"}),
+                   Event("candidate", {"cid": cid, "agent": "local", "title": f"change {cid}", "diff": "-a\n+b\n"})]
+        events += [Event("gate", {"cid": cid, "gate": g, "passed": True, "detail": "ok"}) for g in
+                   ("applies", "smoke", "forcing", "tuning", "heldout")]
+    return events + [Event("awaiting_decision", {"cid": cid}) for cid in ("c1", "c2", "c3")]
+
+
+def test_after_a_reject_the_cursor_moves_to_the_next_waiting_candidate() -> None:
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        for event in _two_waiting():
+            app.live.feed(event)
+        await pilot.pause(0.1)
+        assert app.live.current_cid == "c1"
+        app.live.feed(Event("decision", {"cid": "c1", "decision": "reject", "note": "no", "by": "user"}))
+        await pilot.pause(0.1)
+        assert app.live.current_cid == "c2"
+        app.live.feed(Event("decision", {"cid": "c2", "decision": "approve", "note": "", "by": "user"}))
+        await pilot.pause(0.1)
+        assert app.live.current_cid == "c3"
+
+    drive(app, script)
+
+
+def test_a_proposal_waiting_for_the_judge_is_queued_with_its_title() -> None:
+    state = DashboardState()
+    state.apply_all([Event("agent_started", {"cid": "c1", "agent": "local", "direction": "verify"}),
+                     Event("agent_done", {"cid": "c1", "agent": "local", "title": "linear backend fused"})])
+    assert (state.candidates["c1"].state, state.candidates["c1"].title) == ("queued", "linear backend fused")

@@ -108,13 +108,13 @@ class Dashboard(Widget):
         events, self.pending = self.pending, []
         with self.app.batch_update():
             self.refresh_panels(self.state.apply_all(events))
-            if any(e.kind == "awaiting_decision" for e in events):
+            if any(e.kind in ("awaiting_decision", "decision") for e in events):
                 self._select_awaiting()
         self._notify(self.state.take_alerts())
 
     def _select_awaiting(self) -> None:
         """Put the cursor on the first candidate waiting for a decision, unless it already is on one,
-        so `a` and `r` act on what the loop is waiting for."""
+        so `a` and `r` act on what the loop is waiting for (after an approval or a rejection too)."""
         waiting = self.state.awaiting()
         current = self.state.candidates.get(self.current_cid or "")
         if waiting and (current is None or current.state != "awaiting"):
