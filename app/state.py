@@ -131,7 +131,9 @@ def _num(value: Any) -> float | None:
 class DashboardState:
     """Everything the panels render, built only by `apply`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock  # set for a live dashboard: a step's elapsed time runs on between events
+        self._progress_at: float | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], set[str]]] = {
             "run_started": self._run_started,
             "round_started": self._round_started,
@@ -261,7 +263,17 @@ class DashboardState:
     def _progress(self, p: dict[str, Any]) -> set[str]:
         self.progress = {"step": str(p["step"]), "done": int(p.get("done") or 0), "total": p.get("total"),
                          "elapsed_s": _num(p.get("elapsed_s")) or 0.0, "eta_s": _num(p.get("eta_s"))}
+        self._progress_at = self.clock() if self.clock else None
         return {"status"}
+
+    def current_progress(self) -> dict[str, Any] | None:
+        """The step in flight with its clock run on to now (live only: a replay shows it as stored)."""
+        if self.progress is None or not self.clock or self._progress_at is None:
+            return self.progress
+        late = max(0.0, self.clock() - self._progress_at)
+        eta = self.progress["eta_s"]
+        return {**self.progress, "elapsed_s": self.progress["elapsed_s"] + late,
+                "eta_s": None if eta is None else max(0.0, eta - late)}
 
     def _agent_done(self, p: dict[str, Any]) -> set[str]:
         cand = self._cand(p["cid"])

@@ -635,14 +635,23 @@ class SlowCore(FakeCore):
 
 
 def test_progress_of_a_long_step_shows_while_measuring() -> None:
+    """Requests done of total, elapsed and ETA on the status line; between events the clock runs on."""
     core = SlowCore()
     app = make_app(core)
+    now = [1000.0]
 
     async def script(pilot: Any) -> None:
         line = app.live.query_one(StatusLine)
         await until(pilot, lambda: "12/40" in line.text)
+        app.live.state.clock = lambda: now[0]
+        app.live.feed(Event("progress", {"state": "measuring", "step": "calibration: A/A noise floor", "done": 12,
+                                         "total": 40, "elapsed_s": 62.0, "eta_s": 190.0}))
+        await pilot.pause(0.05)
         assert line.text.strip() == "⏳ measuring: calibration: A/A noise floor 12/40 requests, 1m02s, ETA 3m10s"
         assert "measuring" in app.live.query_one(StatusHeader).text
+        now[0] += 10
+        await until(pilot, lambda: "1m12s" in line.text)
+        assert line.text.strip().endswith("12/40 requests, 1m12s, ETA 3m00s")
         app.live.feed(Event("state", {"state": "proposing"}))
         await pilot.pause(0.05)
         assert "12/40" not in line.text  # the step is over once the next phase begins

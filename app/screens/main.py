@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 from textual.app import ComposeResult
 from textual.screen import Screen
 from textual.widgets import Footer
 
+from app.state import DashboardState
 from app.widgets.dashboard import Dashboard
 
 
@@ -14,7 +17,7 @@ class MainScreen(Screen[None]):
 
     def __init__(self) -> None:
         super().__init__()
-        self.dashboard = Dashboard(id="live")
+        self.dashboard = Dashboard(DashboardState(clock=time.monotonic), id="live")
 
     def compose(self) -> ComposeResult:
         yield self.dashboard

@@ -82,6 +82,7 @@ class Dashboard(Widget):
 
     def on_mount(self) -> None:
         self.set_interval(DRAIN_INTERVAL, self.drain)
+        self.set_interval(1.0, self._tick)
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self.refresh_panels(set(PANELS), True))
 
     def _want_wide(self) -> bool:
@@ -111,6 +112,12 @@ class Dashboard(Widget):
             if any(e.kind in ("awaiting_decision", "decision") for e in events):
                 self._select_awaiting()
         self._notify(self.state.take_alerts())
+
+    def _tick(self) -> None:
+        """A live step's elapsed time and ETA move on between its progress events."""
+        if self.state.clock is not None and self.state.progress is not None:
+            for line in self.query(StatusLine):
+                line.sync()
 
     def _select_awaiting(self) -> None:
         """Put the cursor on the first candidate waiting for a decision, unless it already is on one,

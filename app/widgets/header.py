@@ -68,7 +68,7 @@ class StatusLine(Static):
         self.sync()
 
     def sync(self, restyle: bool = False) -> None:
-        step = self.state.progress
+        step = self.state.current_progress()
         if step is not None and self.state.quitting is None:
             text = Text(f" ⏳ {self.state.loop_state}: {describe(step)}",
                         style=self.get_component_rich_style("status--information"), no_wrap=True, overflow="ellipsis")
