@@ -88,8 +88,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         for r in summary["rounds"]:
             inc = r["incumbent"]
-            print(f"round {r['index']}: largest gap {r['largest_gap']}; incumbent x{inc['heldout_speedup_vs_ar']:.2f} "
-                  f"vs AR, x{inc['heldout_speedup_vs_stock']:.2f} vs stock")
+            print(f"round {r['index']}: largest gap {r['largest_gap']}; incumbent {inc['heldout_speedup_vs_ar']:.2f}x "
+                  f"vs AR, {inc['heldout_speedup_vs_stock']:.2f}x vs stock")
         print(f"run {summary['run']} stored in {loop.config.db}")
     return 0
 
@@ -167,8 +167,8 @@ def cmd_show(args: argparse.Namespace) -> int:
             gates = " ".join(f"{g}:{'ok' if ok['passed'] else 'FAIL'}" for g, ok in (c.get("gates") or {}).items())
             print(f"  {c['cid']:<12} {c['agent']:<15} {c['title'][:50]:<51} {gates}")
         if inc:
-            print(f"  incumbent x{inc.get('heldout_speedup_vs_ar', 0):.2f} vs AR, "
-                  f"x{inc.get('heldout_speedup_vs_stock', 0):.2f} vs stock")
+            print(f"  incumbent {inc.get('heldout_speedup_vs_ar', 0):.2f}x vs AR, "
+                  f"{inc.get('heldout_speedup_vs_stock', 0):.2f}x vs stock")
     return 0
 
 

@@ -501,8 +501,9 @@ class Judge:
                     setattr(verdict, split, result)
                     if on_evaluation:
                         on_evaluation(split, result)
-                    if not gate(split, result.passed, f"speedup {result.speedup:.3f} [{result.low:.3f}, "
-                                                      f"{result.high:.3f}] needs low > {1 + self.floor:.3f}"):
+                    if not gate(split, result.passed, f"speedup {result.speedup:.3f}x [{result.low:.3f}, "
+                                                      f"{result.high:.3f}] needs low > {1 + self.floor:.3f} "
+                                                      f"(1 + noise floor {self.floor:.3f})"):
                         return verdict
             except WorkerError as exc:
                 if exc.worker is not None and exc.worker is not cand:  # the incumbent's side, not the candidate

@@ -466,7 +466,7 @@ class Loop:
                     verdict = judge.evaluate(combined, best.recipe, merged_ws, ws)
                 if verdict.passed:
                     self._event("notice", {"message": f"combined recipe beats the best single winner "
-                                                      f"(x{verdict.heldout.speedup:.3f} held-out)"})
+                                                      f"({verdict.heldout.speedup:.3f}x held-out)"})
                     return combined, merged_ws, approved
                 self._event("notice", {"message": f"combined recipe kept out ({verdict.reason}); "
                                                   f"taking {best.cid}"})
@@ -665,9 +665,9 @@ def stderr_progress(event: Event) -> None:
     elif event.kind == "gate" and not p["passed"]:
         line = f"    {p['cid']} failed {p['gate']}: {p['detail']}"
     elif event.kind == "evaluation":
-        line = f"    {p['cid']} {p['split']}: x{p['speedup']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
+        line = f"    {p['cid']} {p['split']}: {p['speedup']:.3f}x [{p['low']:.3f}, {p['high']:.3f}] vs the incumbent"
     elif event.kind == "incumbent":
-        line = (f"  incumbent: x{p['heldout_speedup_vs_ar']:.2f} vs AR, x{p['heldout_speedup_vs_stock']:.2f} "
+        line = (f"  incumbent: {p['heldout_speedup_vs_ar']:.2f}x vs AR, {p['heldout_speedup_vs_stock']:.2f}x "
                 f"vs stock (held-out)")
     elif event.kind == "notice":
         line = f"  {event.kind}: {p['message']}"

@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Container, Vertical
 from textual.reactive import reactive
 from textual.widget import Widget
-from textual.widgets import DataTable, TabbedContent, TabPane
+from textual.widgets import DataTable, Static, TabbedContent, TabPane, Tabs
 
 from app.screens.diff import DiffScreen
 from app.state import PANELS, Alert, DashboardState
@@ -28,6 +28,9 @@ DRAIN_INTERVAL = 0.15
 WIDE_MIN = (120, 35)
 TABS = (("tab-candidates", "Candidates"), ("tab-gaps", "Gaps"), ("tab-forcing", "Forcing"),
         ("tab-speedup", "Speedup"))
+PANEL_IDS = {"tab-candidates": "candidates-panel", "tab-gaps": "gaps-panel", "tab-forcing": "forcing-panel",
+             "tab-speedup": "speedup-panel"}
+FORCING_EMPTY = "no forcing result yet: each candidate's outputs are re-scored here once it passes its smoke run"
 
 
 class Panel(Vertical):
@@ -60,11 +63,12 @@ class Dashboard(Widget):
         self.set_reactive(Dashboard.wide, self._want_wide())
         yield StatusHeader(self.state, id="header")
         panels = {
-            "tab-candidates": Panel(CandidatesPanel(self.state, lambda: self.selected_cid), title="Candidates",
+            "tab-candidates": Panel(CandidatesPanel(self.state, lambda: self.selected_cid), title="Candidates · pred, meas: speedup vs the incumbent (meas: held-out)",
                                     id="candidates-panel", classes="panel"),
             "tab-gaps": Panel(GapBars(self.state, id="gaps"), title=lambda: gap_title(self.state.gaps),
                               id="gaps-panel", classes="panel"),
-            "tab-forcing": Panel(ForcingTable(self.state, id="forcing"), title="Token forcing",
+            "tab-forcing": Panel(ForcingTable(self.state, id="forcing"),
+                                 Static(FORCING_EMPTY, id="forcing-empty"), title="Token forcing · threshold: stock's own rate + 0.5 pp",
                                  id="forcing-panel", classes="panel"),
             "tab-speedup": Panel(SpeedupPlot(self.state, id="speedup"), title="Speedup over AR",
                                  id="speedup-panel", classes="panel"),
@@ -79,6 +83,26 @@ class Dashboard(Widget):
                     with TabPane(title, id=key):
                         yield panels[key]
         yield StatusLine(self.state, id="status")
+        self.call_after_refresh(self._focus_table)
+
+    def _focus_table(self) -> None:
+        """Arrow keys act on the candidates from the start (not on the tab strip)."""
+        focused = self.screen.focused
+        if focused is None or focused.parent is None or isinstance(focused, Tabs) or not focused.is_attached:
+            tables = self.query(CandidateTable)
+            if tables:
+                tables.first().focus()
+
+    def show_panel(self, index: int) -> None:
+        """Keys 1-4: bring a panel up (its tab when small) and focus what can be focused in it."""
+        key = TABS[index][0]
+        for tabs in self.query(TabbedContent):
+            tabs.active = key
+            self.active_tab = key
+        panel = self.query_one(f"#{PANEL_IDS[key]}")
+        focusable = [w for w in panel.query("*") if w.focusable]
+        if focusable:
+            focusable[0].focus()
 
     def on_mount(self) -> None:
         self.set_interval(DRAIN_INTERVAL, self.drain)
@@ -163,6 +187,8 @@ class Dashboard(Widget):
         if "forcing" in changed:
             for table in self.query(ForcingTable):
                 table.sync(restyle)
+            for note in self.query("#forcing-empty"):
+                note.display = not self.state.forcing
         if "speedup" in changed:
             for plot in self.query(SpeedupPlot):
                 plot.sync(restyle)

@@ -46,7 +46,7 @@ class StatusHeader(Static):
                   (s.loop_state.replace("_", " ").upper() if alert else s.loop_state,
                    style("header--alert" if alert else "header--state"))]
         best = s.best_speedup
-        parts += [sep, (f"best {best:.2f}x AR" if best is not None else "best —", style("header--best"))]
+        parts += [sep, (f"best {best:.2f}x vs AR" if best is not None else "best —", style("header--best"))]
         if s.auto:
             parts += [sep, ("auto", style("header--dim"))]
         text = Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
