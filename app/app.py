@@ -216,6 +216,18 @@ class SpecPilotApp(App[int]):
         if run is not None:
             self.call_after_refresh(runs.open, run, None)
 
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Save an SVG of the screen: to ~/Downloads when it exists, else the working directory; say where."""
+        downloads = os.path.expanduser("~/Downloads")
+        folder = path or (downloads if os.path.isdir(downloads) else os.getcwd())
+        try:
+            saved = self.save_screenshot(filename, folder)
+        except OSError as exc:
+            self.notify(f"screenshot not saved in {folder}: {exc.strerror or exc}", title="Screenshot",
+                        severity="error")
+            return
+        self.notify(f"saved {saved}", title="Screenshot")
+
     def action_cycle_theme(self) -> None:
         names = [t.name for t in THEMES]
         nxt = names[(names.index(self.theme) + 1) % len(names)] if self.theme in names else names[0]

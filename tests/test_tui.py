@@ -773,3 +773,37 @@ def test_empty_panels_say_what_they_wait_for() -> None:
         assert not app.live.query_one("#forcing-empty").display
 
     drive(app, script)
+
+
+def test_screenshot_goes_to_the_working_directory_without_downloads(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        app.action_screenshot()
+        await pilot.pause(0.05)
+
+    drive(app, script)
+    saved = list(tmp_path.glob("*.svg"))
+    assert len(saved) == 1 and any(str(saved[0]) in m for m in notifications(app))
+
+
+def test_replay_counts_what_it_plays_and_says_when_there_is_no_next_round(tmp_path: Path) -> None:
+    db = stored(tmp_path, record(2))
+    app = make_app(argv=("--replay", "1", "--db", str(db)))
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        screen = app.screen
+        _, own = split_round(screen.events, 2)
+        bar = screen.query_one("#replay-bar")
+        assert f"· {len(own)} events ·" in str(bar.render())
+        await pilot.press("4", "p")
+        await until(pilot, lambda: not screen.playing)
+        assert f"played {len(own)}/{len(own)}" in str(bar.render())
+        await pilot.press("right_square_bracket")
+        assert any("round 2 is the last round of run 1" in m for m in notifications(app))
+
+    drive(app, script)

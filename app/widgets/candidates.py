@@ -7,6 +7,7 @@ from typing import Any, Callable
 from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
 from textual.color import Color
 from textual.containers import Vertical
 from textual.widgets import DataTable
@@ -54,6 +55,8 @@ def badge(style: Style) -> Style:
 
 class CandidateTable(DataTable):
     """One row per candidate of the current round, keyed by cid; cells update in place."""
+
+    BINDINGS = [Binding("enter", "select_cursor", "Diff")]  # the footer keeps saying what enter does
 
     COMPONENT_CLASSES = DataTable.COMPONENT_CLASSES | {
         "candidate--good", "candidate--bad", "candidate--waiting", "candidate--plain"}

@@ -76,5 +76,6 @@ class SpeedupPlot(PlotextPlot):
         rounds = sorted({int(x) for x in self.series["incumbent"][0]} | {0})
         plt.xticks(rounds)
         pad = max(0.05, (top - low) * 0.15)
-        plt.ylim(max(0.0, low - pad), top + pad)  # scaled to the data: the incumbent never sits on the floor
+        # scaled to the data (the incumbent never sits on the floor), with headroom for the legend
+        plt.ylim(max(0.0, low - pad), top + 4 * pad)
         self.refresh()

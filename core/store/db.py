@@ -280,11 +280,15 @@ class Store:
             s.add(rnd)
 
     def list_rounds(self, run_id: int) -> list[dict]:
-        """A run's rounds in index order, each with its candidate count."""
+        """A run's rounds in index order, each with its candidate count and how many agents proposed nothing
+        (their failures are events, not candidates)."""
         with self._session() as s:
             rounds = s.exec(select(t.Round).where(t.Round.run_id == run_id).order_by(t.Round.index)).all()
             counts = dict(s.exec(select(t.Candidate.round_id, func.count()).group_by(t.Candidate.round_id)).all())
-        return [{**r.model_dump(), "candidates": counts.get(r.id, 0)} for r in rounds]
+            failed = dict(s.exec(select(t.Event.round, func.count()).where(
+                t.Event.run_id == run_id, t.Event.kind == "candidate_failed").group_by(t.Event.round)).all())
+        return [{**r.model_dump(), "candidates": counts.get(r.id, 0), "failed_proposals": failed.get(r.index, 0)}
+                for r in rounds]
 
     # --- events ---------------------------------------------------------------------------------
 
