@@ -263,10 +263,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     app = SpecPilotApp(args, loop_factory=factory)
     app.run()
     code = app.return_code or 0
-    if app.bridge is not None and not app.bridge.join(QUIT_GRACE_S):
+    if app.bridge is not None and not app.bridge.join(2.0):  # the app already waited QUIT_GRACE_S for it
         from core.judge import kill_workers
 
-        print(f"specpilot-tui: the loop did not stop within {QUIT_GRACE_S:.0f} s ({app.bridge.waiting_for}); "
+        print(f"specpilot-tui: the loop did not stop in time ({app.bridge.waiting_for}); "
               f"killed {kill_workers()} worker(s) and left", file=sys.stderr)
         sys.stderr.flush()
         os._exit(code)

@@ -92,6 +92,7 @@ class Loop:
         self._last_progress = (None, 0.0)
         self.status: str | None = None  # how the run ended: finished, stopped, failed, interrupted
         self.rejected: list[dict] = []  # this run's rejections (memory entries), given to every agent
+        self._finished = 0  # the last finished round's index
         self.judge: Judge | None = None
 
     # -- control (any thread) -------------------------------------------------------------------------
