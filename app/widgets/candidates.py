@@ -101,7 +101,8 @@ class CandidateTable(DataTable):
 
     def _row(self, cand: CandidateView) -> tuple[Text, ...]:
         state_style = badge(self.get_component_rich_style(self._state_style(cand)))
-        title = cand.title or (f"({cand.direction})" if cand.direction else "")
+        title = cand.title or (f"no candidate: {cand.failure}" if cand.state == "agent failed" and cand.failure
+                               else f"({cand.direction})" if cand.direction else "")
         agent_width = dict((k, w) for _, k, w in COLUMNS)["agent"]
         return (Text(short_cid(cand.cid)), Text(fit(cand.agent, agent_width)), Text(fit(title, self._title_width())),
                 Text(state_label(cand.state), style=state_style), Text(cand.gate_marks), speedup_cell(cand.predicted),
