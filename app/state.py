@@ -113,6 +113,7 @@ class Alert:
 
     severity: str
     message: str
+    toast: bool = True  # notices stay on the status line only, so toasts never stack over the table
 
 
 def short_name(path: Any) -> str:
@@ -226,8 +227,8 @@ class DashboardState:
             return f"cannot {decision} {cid}: it is not awaiting a decision (state: {cand.state})"
         return None
 
-    def _alert(self, severity: str, message: str) -> set[str]:
-        alert = Alert(severity, message)
+    def _alert(self, severity: str, message: str, toast: bool = True) -> set[str]:
+        alert = Alert(severity, message, toast)
         self.status = alert
         self.alerts.append(alert)
         return {"status"}
@@ -380,7 +381,7 @@ class DashboardState:
         return {"header"} | self._alert("information", f"run {p.get('run', self.run)} {self.run_status}{tail}")
 
     def _notice(self, p: dict[str, Any]) -> set[str]:
-        return self._alert("information", str(p.get("message", "")))
+        return self._alert("information", str(p.get("message", "")), toast=False)
 
     def _error(self, p: dict[str, Any]) -> set[str]:
         return self._alert("error", str(p.get("message", "")))

@@ -807,3 +807,20 @@ def test_replay_counts_what_it_plays_and_says_when_there_is_no_next_round(tmp_pa
         assert any("round 2 is the last round of run 1" in m for m in notifications(app))
 
     drive(app, script)
+
+
+def test_notices_stay_on_the_status_line_and_only_problems_toast() -> None:
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        for i in range(4):
+            app.live.feed(Event("notice", {"message": f"notice {i}"}))
+        app.live.feed(Event("candidate_failed", {"cid": "c1", "agent": "local", "reason": "no diff"}))
+        await pilot.pause(0.1)
+        assert not any(m.startswith("notice") for m in notifications(app))
+        assert any("failed on c1" in m for m in notifications(app))
+        app.live.feed(Event("notice", {"message": "notice 4"}))
+        await pilot.pause(0.05)
+        assert "notice 4" in app.live.query_one(StatusLine).text
+
+    drive(app, script)

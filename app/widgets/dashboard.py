@@ -167,9 +167,11 @@ class Dashboard(Widget):
         self.feed(Event("error" if severity == "error" else "notice", {"message": message}))
 
     def _notify(self, alerts: list[Alert]) -> None:
+        """Toasts for warnings, errors and the run's end; notices only update the status line."""
         for alert in alerts:
-            self.app.notify(alert.message, severity=alert.severity,
-                            timeout=10 if alert.severity == "error" else 5)
+            if alert.toast:
+                self.app.notify(alert.message, severity=alert.severity,
+                                timeout=10 if alert.severity == "error" else 5)
 
     def refresh_panels(self, changed: set[str], restyle: bool = False) -> None:
         """Refresh the widgets whose panels changed (all of them after a theme change)."""
