@@ -162,7 +162,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         inc = r.get("incumbent") or {}
         report = r.get("gaps") or {}
         parts = ", ".join(f"{g['component']} {g['ms_per_token']:.2f}" for g in report.get("gaps") or [])
-        print(f"round {r['index']}: largest gap {report.get('largest_gap', '-')} (ms/token: {parts or 'none'})")
+        unfinished = "" if r.get("finished_at") else " [unfinished: not counted]"
+        print(f"round {r['index']}{unfinished}: largest gap {report.get('largest_gap', '-')} "
+              f"(ms/token: {parts or 'none'})")
         for c in r["candidates"]:
             gates = " ".join(f"{g}:{'ok' if ok['passed'] else 'FAIL'}" for g, ok in (c.get("gates") or {}).items())
             print(f"  {c['cid']:<12} {c['agent']:<15} {c['title'][:50]:<51} {gates}")

@@ -260,3 +260,26 @@ def test_every_agent_kind_sees_the_note(tmp_path):
     out = agent.finish(ctx, base, options, "backend", Stream(chunks.append), "{best.label}")
     assert isinstance(out, Candidate) and out.title == "skinny"
     assert NOTE in "".join(chunks)
+
+
+def test_show_marks_a_half_done_round_as_not_counted(tmp_path, capsys):
+    store = Store(tmp_path / "store.db")
+    run = store.create_run({}, {})
+    store.finish_round(store.start_round(run, 1, {}), {"heldout_speedup_vs_ar": 1.2})
+    store.start_round(run, 2, {})
+    store.finish_run(run, "interrupted", {"reason": "test"})
+    assert main(["show", str(run), "--db", str(tmp_path / "store.db")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == f"run {run} (interrupted: test)"
+    assert lines[1].startswith("round 1: ") and lines[-1].startswith("round 2 [unfinished: not counted]: ")
+
+
+def test_a_claude_reply_can_say_what_differs_from_a_rejection(tmp_path):
+    from core.agents.claude import ClaudeAgent
+
+    stock = builtin("stock")
+    reply = ("TITLE: fused again\nRATIONALE: x\nPREDICTED_SPEEDUP: 1.2\nDIFFERS: only on the drafter this time\n\n"
+             'FILE: recipe.toml\n```\n<<<<<<< SEARCH\nlinear = "native"\n=======\nlinear = "fused"\n'
+             ">>>>>>> REPLACE\n```\n")
+    out = ClaudeAgent(client_factory=lambda: None)._candidate(reply, {"recipe.toml": stock.to_toml()})
+    assert isinstance(out, Candidate) and out.differs == "only on the drafter this time"
