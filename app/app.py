@@ -70,6 +70,7 @@ class SpecPilotApp(App[int]):
         self.bridge: LoopBridge | None = None
         self._startup_theme: str | None = None
         self._exiting: int | None = None  # the exit status, once quitting has begun
+        self._hung_up = False  # SIGHUP: the terminal is gone, so there is no screen to restore
         for theme in THEMES:
             self.register_theme(theme)
 
@@ -135,7 +136,7 @@ class SpecPilotApp(App[int]):
     def on_loop_ended(self, message: LoopEnded) -> None:
         """A loop that raised: report it, unless its own `error` event already did."""
         if self._exiting is not None or not any(isinstance(s, MainScreen) for s in self.screen_stack):
-            self.exit(return_code=self._exiting or 0)  # quitting (or already torn down): nothing left to show
+            self._leave(self._exiting or 0)  # quitting (or already torn down): nothing left to show
             return
         live = self.live
         if message.error and live.state.loop_state != "failed":
@@ -245,15 +246,28 @@ class SpecPilotApp(App[int]):
         """Leave: at once when no loop runs; else stop the step in flight (its workers are killed), say
         what is being waited for, and exit when the loop has ended (or after QUIT_GRACE_S). Asked twice,
         leave now."""
+        self._hung_up = self._hung_up or why.endswith("(SIGHUP)")
         if self._exiting is not None or self.bridge is None or not self.bridge.running:
-            self.exit(return_code=code if self._exiting is None else self._exiting)
+            self._leave(code if self._exiting is None else self._exiting)
             return
         self._exiting = code
         waiting = self.bridge.waiting_for
         self.bridge.abort(why)
         self.live.state.quitting = waiting
         self.live.report(f"quitting: stopping {waiting} (workers are killed); q again to leave at once", "notice")
-        self.set_timer(QUIT_GRACE_S, lambda: self.exit(return_code=self._exiting or 0))
+        self.set_timer(QUIT_GRACE_S, lambda: self._leave(self._exiting or 0))
+
+    def _leave(self, code: int) -> None:
+        """Exit with `code`. After a hang-up there is no terminal to restore (Textual's driver would wait on
+        it for ever), so once the loop has closed its run the process ends at once, its workers killed."""
+        if not self._hung_up:
+            self.exit(return_code=code)
+            return
+        from core.judge import kill_workers
+
+        kill_workers()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

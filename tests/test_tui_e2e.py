@@ -107,7 +107,8 @@ def _runs(db: Path) -> str:
 
 def test_a_killed_run_is_interrupted_and_resumes_under_tmux(mini, tmp_path: Path) -> None:
     """kill -9 mid-round: `specpilot runs` says interrupted with one finished round; `--resume` in the
-    dashboard finishes the run; SIGINT to a dashboard exits 130 and closes its run as interrupted."""
+    dashboard finishes the run; SIGINT to a dashboard exits 130 and closes its run as interrupted; a
+    hang-up (the terminal closed) ends the dashboard and closes its run too."""
     db = tmp_path / "store.db"
     deployment = ["--target", mini["target"], "--drafter", mini["drafter"], "--workload", mini["workload"],
                   "--max-requests", "3", "--max-new-tokens", "8", "--agents", "local:1", "--db", str(db)]
@@ -145,6 +146,20 @@ def test_a_killed_run_is_interrupted_and_resumes_under_tmux(mini, tmp_path: Path
         kill_session(third)
     row = next(line.split() for line in _runs(db).splitlines() if line.split()[:1] == ["2"])
     assert row[1] == "interrupted"
+
+    fourth = f"specpilot-hangup-{os.getpid()}"
+    _launch(fourth, tmp_path, tmp_path / "status-hangup", deployment + ["--rounds", "3", "--auto"])
+    try:
+        _wait_rows(db, "select count(*) from event where run_id = 3 and kind = 'round_started' and round = 2")
+        app = _app_pid(fourth)
+    finally:
+        kill_session(fourth)  # the terminal goes away: SIGHUP
+    deadline = time.monotonic() + 60
+    while Path(f"/proc/{app}").exists() and (Path(f"/proc/{app}/stat").read_text().split()[2] != "Z"):
+        assert time.monotonic() < deadline, "the dashboard outlived its terminal"
+        time.sleep(0.2)
+    summary = json.loads(_rows(db, "select status, summary from run where id = 3")[0][1])
+    assert _rows(db, "select status from run where id = 3")[0][0] == "interrupted" and "SIGHUP" in summary["reason"]
 
 
 def _rows(db: Path, sql: str) -> list[tuple]:
