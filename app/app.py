@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
+import signal
 import sys
 from functools import partial
 from typing import Callable, Sequence
@@ -27,6 +29,8 @@ from core.events import Event, LoopHandle
 from themes import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
 
 LIVE_ONLY = {"approve", "reject", "toggle_pause"}
+QUIT_GRACE_S = 15.0  # how long quitting waits for the step in flight to stop before leaving anyway
+SIGNALS = {signal.SIGINT: "SIGINT", signal.SIGTERM: "SIGTERM", signal.SIGHUP: "SIGHUP"}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,6 +69,8 @@ class SpecPilotApp(App[int]):
         self.store_opener = store_opener or partial(open_store, db_path(self.args))
         self.bridge: LoopBridge | None = None
         self._startup_theme: str | None = None
+        self._exiting: int | None = None  # the exit status, once quitting has begun
+        self._hung_up = False  # SIGHUP: the terminal is gone, so there is no screen to restore
         for theme in THEMES:
             self.register_theme(theme)
 
@@ -83,6 +89,12 @@ class SpecPilotApp(App[int]):
         self.theme = self._initial_theme()
         self._startup_theme = self.theme if not self.args.theme else None
         self.theme_changed_signal.subscribe(self, self._remember_theme)
+        loop = asyncio.get_running_loop()
+        for signum, name in SIGNALS.items():
+            try:
+                loop.add_signal_handler(signum, self._begin_exit, f"interrupted ({name})", 128 + signum)
+            except (NotImplementedError, RuntimeError, ValueError):
+                pass  # not the main thread, or no signals here: the default handling stays
         if self.loop_factory is not None:
             self.bridge = LoopBridge(self.loop_factory, self.post_message)
             self._run_loop()
@@ -123,6 +135,9 @@ class SpecPilotApp(App[int]):
 
     def on_loop_ended(self, message: LoopEnded) -> None:
         """A loop that raised: report it, unless its own `error` event already did."""
+        if self._exiting is not None or not any(isinstance(s, MainScreen) for s in self.screen_stack):
+            self._leave(self._exiting or 0)  # quitting (or already torn down): nothing left to show
+            return
         live = self.live
         if message.error and live.state.loop_state != "failed":
             live.feed(Event("state", {"state": "failed"}))
@@ -202,6 +217,18 @@ class SpecPilotApp(App[int]):
         if run is not None:
             self.call_after_refresh(runs.open, run, None)
 
+    def action_screenshot(self, filename: str | None = None, path: str | None = None) -> None:
+        """Save an SVG of the screen: to ~/Downloads when it exists, else the working directory; say where."""
+        downloads = os.path.expanduser("~/Downloads")
+        folder = path or (downloads if os.path.isdir(downloads) else os.getcwd())
+        try:
+            saved = self.save_screenshot(filename, folder)
+        except OSError as exc:
+            self.notify(f"screenshot not saved in {folder}: {exc.strerror or exc}", title="Screenshot",
+                        severity="error")
+            return
+        self.notify(f"saved {saved}", title="Screenshot")
+
     def action_cycle_theme(self) -> None:
         names = [t.name for t in THEMES]
         nxt = names[(names.index(self.theme) + 1) % len(names)] if self.theme in names else names[0]
@@ -213,9 +240,34 @@ class SpecPilotApp(App[int]):
             self.push_screen(HelpScreen())
 
     async def action_quit(self) -> None:
-        if self.bridge is not None:
-            self.bridge.stop()
-        self.exit(0)
+        self._begin_exit("quit", 1 if self.live.state.loop_state == "failed" else 0)
+
+    def _begin_exit(self, why: str, code: int) -> None:
+        """Leave: at once when no loop runs; else stop the step in flight (its workers are killed), say
+        what is being waited for, and exit when the loop has ended (or after QUIT_GRACE_S). Asked twice,
+        leave now."""
+        self._hung_up = self._hung_up or why.endswith("(SIGHUP)")
+        if self._exiting is not None or self.bridge is None or not self.bridge.running:
+            self._leave(code if self._exiting is None else self._exiting)
+            return
+        self._exiting = code
+        waiting = self.bridge.waiting_for
+        self.bridge.abort(why)
+        self.live.state.quitting = waiting
+        self.live.report(f"quitting: stopping {waiting} (workers are killed); q again to leave at once", "notice")
+        self.set_timer(QUIT_GRACE_S, lambda: self._leave(self._exiting or 0))
+
+    def _leave(self, code: int) -> None:
+        """Exit with `code`. After a hang-up there is no terminal to restore (Textual's driver would wait on
+        it for ever), so once the loop has closed its run the process ends at once, its workers killed."""
+        if not self._hung_up:
+            self.exit(return_code=code)
+            return
+        from core.judge import kill_workers
+
+        kill_workers()
+        sys.stderr.flush()
+        os._exit(code)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -224,7 +276,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     factory = None if args.replay is not None else partial(build_handle, args)
     app = SpecPilotApp(args, loop_factory=factory)
     app.run()
-    return app.return_code or 0
+    code = app.return_code or 0
+    if app.bridge is not None and not app.bridge.join(2.0):  # the app already waited QUIT_GRACE_S for it
+        from core.judge import kill_workers
+
+        print(f"specpilot-tui: the loop did not stop in time ({app.bridge.waiting_for}); "
+              f"killed {kill_workers()} worker(s) and left", file=sys.stderr)
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 if __name__ == "__main__":

@@ -113,6 +113,7 @@ class LoopBridge:
         self.handle: LoopHandle | None = None
         self.paused = False
         self.running = False
+        self.thread: threading.Thread | None = None
 
     def emit(self, event: Event) -> None:
         """The loop's emit callback: hand the event to the UI thread."""
@@ -138,7 +139,7 @@ class LoopBridge:
             finally:
                 self.running = False
 
-        thread = threading.Thread(target=target, name="specpilot-loop", daemon=True)
+        thread = self.thread = threading.Thread(target=target, name="specpilot-loop", daemon=True)
         thread.start()
         while thread.is_alive():
             if cancelled():
@@ -180,3 +181,27 @@ class LoopBridge:
                 self.handle.stop()
             except Exception:
                 pass
+
+    def abort(self, why: str = "quit") -> None:
+        """Ask the loop to abandon the step in flight and end now (a handle without abort just stops)."""
+        if self.handle is None:
+            return
+        try:
+            abort = getattr(self.handle, "abort", None)
+            if abort is not None:
+                abort(why)
+            self.handle.stop()
+        except Exception:
+            pass
+
+    @property
+    def waiting_for(self) -> str:
+        """What the loop is busy with, in words, for the quitting message."""
+        return str(getattr(self.handle, "waiting_for", "") or "the step in flight")
+
+    def join(self, timeout: float) -> bool:
+        """Wait up to `timeout` seconds for the loop thread; True when it has ended."""
+        if self.thread is not None:
+            self.thread.join(timeout)
+            return not self.thread.is_alive()
+        return True

@@ -113,6 +113,7 @@ class Alert:
 
     severity: str
     message: str
+    toast: bool = True  # notices stay on the status line only, so toasts never stack over the table
 
 
 def short_name(path: Any) -> str:
@@ -131,11 +132,15 @@ def _num(value: Any) -> float | None:
 class DashboardState:
     """Everything the panels render, built only by `apply`."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] | None = None) -> None:
+        self.clock = clock  # set for a live dashboard: a step's elapsed time runs on between events
+        self._progress_at: float | None = None
         self._handlers: dict[str, Callable[[dict[str, Any]], set[str]]] = {
             "run_started": self._run_started,
             "round_started": self._round_started,
             "state": self._state,
+            "progress": self._progress,
+            "agent_done": self._agent_done,
             "gaps": self._gaps,
             "agent_started": self._agent_started,
             "agent_chunk": self._agent_chunk,
@@ -161,7 +166,10 @@ class DashboardState:
         self.agents: list[str] = []
         self.auto = False
         self.round: int | None = None
-        self.loop_state = "idle"
+        self.loop_state = "starting"
+        self.progress: dict[str, Any] | None = None
+        self.run_status: str | None = None
+        self.quitting: str | None = None  # what quitting waits for, once `q` was pressed
         self.gaps: GapView | None = None
         self.candidates: dict[str, CandidateView] = {}
         self.forcing: dict[str, ForcingView] = {}
@@ -219,8 +227,8 @@ class DashboardState:
             return f"cannot {decision} {cid}: it is not awaiting a decision (state: {cand.state})"
         return None
 
-    def _alert(self, severity: str, message: str) -> set[str]:
-        alert = Alert(severity, message)
+    def _alert(self, severity: str, message: str, toast: bool = True) -> set[str]:
+        alert = Alert(severity, message, toast)
         self.status = alert
         self.alerts.append(alert)
         return {"status"}
@@ -247,8 +255,33 @@ class DashboardState:
         return {"header", "candidates", "stream", "forcing"}
 
     def _state(self, p: dict[str, Any]) -> set[str]:
-        self.loop_state = str(p["state"])
-        return {"header"}
+        state = str(p["state"])
+        if state != "paused":
+            self.progress = None  # a new phase: the last step's progress is over
+        self.loop_state = state
+        return {"header", "status"}
+
+    def _progress(self, p: dict[str, Any]) -> set[str]:
+        self.progress = {"step": str(p["step"]), "done": int(p.get("done") or 0), "total": p.get("total"),
+                         "elapsed_s": _num(p.get("elapsed_s")) or 0.0, "eta_s": _num(p.get("eta_s"))}
+        self._progress_at = self.clock() if self.clock else None
+        return {"status"}
+
+    def current_progress(self) -> dict[str, Any] | None:
+        """The step in flight with its clock run on to now (live only: a replay shows it as stored)."""
+        if self.progress is None or not self.clock or self._progress_at is None:
+            return self.progress
+        late = max(0.0, self.clock() - self._progress_at)
+        eta = self.progress["eta_s"]
+        return {**self.progress, "elapsed_s": self.progress["elapsed_s"] + late,
+                "eta_s": None if eta is None else max(0.0, eta - late)}
+
+    def _agent_done(self, p: dict[str, Any]) -> set[str]:
+        cand = self._cand(p["cid"])
+        cand.title = str(p.get("title") or cand.title)
+        if cand.state == "streaming":
+            cand.state = "queued"
+        return {"candidates"}
 
     def _gaps(self, p: dict[str, Any]) -> set[str]:
         gaps = [(str(g["component"]), float(g["ms_per_token"])) for g in p.get("gaps", [])]
@@ -339,12 +372,16 @@ class DashboardState:
 
     def _run_finished(self, p: dict[str, Any]) -> set[str]:
         self.summary = p.get("summary")
+        self.run_status = str(p.get("status") or "finished")
         best = self.best_speedup
         tail = f": best {best:.2f}x over AR" if best is not None else ""
-        return {"header"} | self._alert("information", f"run {p.get('run', self.run)} finished{tail}")
+        reason = (self.summary or {}).get("reason") if isinstance(self.summary, dict) else None
+        if self.run_status != "finished" and reason:
+            tail += f" ({reason})"
+        return {"header"} | self._alert("information", f"run {p.get('run', self.run)} {self.run_status}{tail}")
 
     def _notice(self, p: dict[str, Any]) -> set[str]:
-        return self._alert("information", str(p.get("message", "")))
+        return self._alert("information", str(p.get("message", "")), toast=False)
 
     def _error(self, p: dict[str, Any]) -> set[str]:
         return self._alert("error", str(p.get("message", "")))

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from contextlib import contextmanager
 from pathlib import Path
 
 from core.recipe import RecipeError
@@ -39,6 +40,8 @@ def loop_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--time-budget", type=float, default=None, metavar="MINUTES",
                    help="start no round after this many minutes; the run is saved as stopped, with the reason")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", type=int, default=None, metavar="RUN",
+                   help="continue a stopped or interrupted run after its last finished round (its own options)")
 
 
 def db_path(args: argparse.Namespace) -> str:
@@ -102,30 +105,62 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_run(args: argparse.Namespace) -> int:
     from core.loop import build_loop, stderr_progress
 
-    loop = build_loop(args)
-    if not args.auto and args.headless:
-        print("specpilot: --headless without --auto waits for decisions that nobody can give; add --auto or use "
-              "specpilot-tui", file=sys.stderr)
+    nobody = ("specpilot: --headless without --auto waits for decisions that nobody can give; add --auto or use "
+              "specpilot-tui")
+    if not args.auto and args.headless and args.resume is None:
+        print(nobody, file=sys.stderr)
         return 2
-    summary = loop.run(stderr_progress)
+    loop = build_loop(args)
+    if not loop.config.auto and args.headless:  # a resumed run keeps its own --auto
+        print(nobody, file=sys.stderr)
+        return 2
+    with _first_sigint_aborts(loop):
+        summary = loop.run(stderr_progress)
+    if loop.status == "interrupted":
+        return 130
     if args.json:
         print(json.dumps(summary, indent=2))
     else:
         for r in summary["rounds"]:
             inc = r["incumbent"]
-            print(f"round {r['index']}: largest gap {r['largest_gap']}; incumbent x{inc['heldout_speedup_vs_ar']:.2f} "
-                  f"vs AR, x{inc['heldout_speedup_vs_stock']:.2f} vs stock")
+            print(f"round {r['index']}: largest gap {r['largest_gap']}; incumbent {inc['heldout_speedup_vs_ar']:.2f}x "
+                  f"vs AR, {inc['heldout_speedup_vs_stock']:.2f}x vs stock")
         print(f"run {summary['run']} stored in {loop.config.db}")
     return 0
 
 
+@contextmanager
+def _first_sigint_aborts(loop):
+    """The first Ctrl-C ends the step in flight cleanly (workers killed, run closed as interrupted);
+    a second one interrupts at once."""
+    import signal
+
+    def handler(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(f"specpilot: interrupted; stopping {loop.waiting_for} (Ctrl-C again to force)", file=sys.stderr)
+        loop.abort("interrupted (SIGINT)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def _store(args: argparse.Namespace):
+    """The store, opened read-only: these commands never write (it works on a read-only filesystem)."""
     from core.store import Store
 
     path = db_path(args)
     if not Path(path).is_file():
         raise FileNotFoundError(f"no store at {path}; run `specpilot run` first or pass --db PATH")
-    return Store(path)
+    return Store(path, read_only=True)
+
+
+def _when(epoch: float | None) -> str:
+    import time
+
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) if epoch else "-"
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -133,12 +168,12 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs, indent=2, default=str))
         return 0
-    print(f"{'run':>4}  {'status':<9}{'rounds':>7}{'best':>8}  started              deployment")
+    print(f"{'run':>4}  {'status':<12}{'rounds':>7}{'best':>8}  started              deployment")
     for r in runs:
-        best = f"x{r['best_heldout_speedup']:.2f}" if r.get("best_heldout_speedup") else "-"
+        best = f"{r['best_heldout_speedup']:.2f}x" if r.get("best_heldout_speedup") else "-"
         dep = r.get("deployment") or {}
         name = f"{Path(dep.get('target', '?')).name} + {Path(dep.get('drafter') or 'none').name}"
-        print(f"{r['id']:>4}  {r['status']:<9}{r['rounds']:>7}{best:>8}  {str(r['started_at'])[:19]:<20} {name}")
+        print(f"{r['id']:>4}  {r['status']:<12}{r['rounds']:>7}{best:>8}  {_when(r['started_at']):<20} {name}")
     return 0
 
 
@@ -156,18 +191,21 @@ def cmd_show(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(detail, indent=2, default=str))
         return 0
-    print(f"run {run['id']} ({run['status']})")
+    reason = (run.get("summary") or {}).get("reason")
+    print(f"run {run['id']} ({run['status']}{': ' + reason if reason and run['status'] != 'finished' else ''})")
     for r in detail["rounds"]:
         inc = r.get("incumbent") or {}
         report = r.get("gaps") or {}
         parts = ", ".join(f"{g['component']} {g['ms_per_token']:.2f}" for g in report.get("gaps") or [])
-        print(f"round {r['index']}: largest gap {report.get('largest_gap', '-')} (ms/token: {parts or 'none'})")
+        unfinished = "" if r.get("finished_at") else " [unfinished: not counted]"
+        print(f"round {r['index']}{unfinished}: largest gap {report.get('largest_gap', '-')} "
+              f"(ms/token: {parts or 'none'})")
         for c in r["candidates"]:
             gates = " ".join(f"{g}:{'ok' if ok['passed'] else 'FAIL'}" for g, ok in (c.get("gates") or {}).items())
             print(f"  {c['cid']:<12} {c['agent']:<15} {c['title'][:50]:<51} {gates}")
         if inc:
-            print(f"  incumbent x{inc.get('heldout_speedup_vs_ar', 0):.2f} vs AR, "
-                  f"x{inc.get('heldout_speedup_vs_stock', 0):.2f} vs stock")
+            print(f"  incumbent {inc.get('heldout_speedup_vs_ar', 0):.2f}x vs AR, "
+                  f"{inc.get('heldout_speedup_vs_stock', 0):.2f}x vs stock")
     return 0
 
 
@@ -259,6 +297,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except (ModelLoadError, GenerationError, WorkloadError, RecipeError, FileNotFoundError, ValueError,
             StoreError) as exc:
+        print(f"specpilot: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from core.agents.claude import MissingAPIKey
+
+        if not isinstance(exc, MissingAPIKey):
+            raise
         print(f"specpilot: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -6,11 +6,14 @@ same handlers as live ones, so the payloads below are the whole contract between
 Kinds and payload keys:
   run_started      run, deployment {target, drafter, device, dtype, workload}, agents [str], auto
   round_started    round
-  state            state: measuring|proposing|judging|awaiting_approval|integrating|paused|done|failed
+  state            state: preparing|measuring|proposing|judging|awaiting_approval|integrating|paused|done|
+                   stopped|failed
+  progress         state, step, done, total (None when unknown), elapsed_s, eta_s (None until known)
   gaps             round, measured_tokens_per_s, ceiling_tokens_per_s, gaps [{component, ms_per_token}],
                    largest_gap
   agent_started    cid, agent, direction
   agent_chunk      cid, text                  (streamed reasoning and diff text, in order)
+  agent_done       cid, agent, title          (the proposal is complete; it waits for the judge)
   candidate        cid, agent, title, rationale, kind, diff, recipe (TOML text), predicted_speedup
   candidate_failed cid, agent, reason
   gate             cid, gate: applies|smoke|forcing|tuning|heldout, passed, detail
@@ -21,7 +24,7 @@ Kinds and payload keys:
   incumbent        round, recipe (TOML text), heldout_speedup_vs_ar, heldout_speedup_vs_stock, interval,
                    ceiling_speedup_vs_ar
   round_finished   round
-  run_finished     run, summary
+  run_finished     run, summary, status: finished|stopped|interrupted
   notice           message
   error            message
 """
@@ -33,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 KINDS = (
-    "run_started", "round_started", "state", "gaps", "agent_started", "agent_chunk", "candidate",
-    "candidate_failed", "gate", "forcing", "evaluation", "awaiting_decision", "decision", "incumbent",
+    "run_started", "round_started", "state", "progress", "gaps", "agent_started", "agent_chunk", "agent_done",
+    "candidate", "candidate_failed", "gate", "forcing", "evaluation", "awaiting_decision", "decision", "incumbent",
     "round_finished", "run_finished", "notice", "error",
 )
 GATES = ("applies", "smoke", "forcing", "tuning", "heldout")

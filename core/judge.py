@@ -22,10 +22,12 @@ import sys
 import tempfile
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from core import progress
 from core.deployment import Deployment
 from core.mechanisms import UnknownMechanism, check_recipe
 from core.recipe import Recipe
@@ -73,6 +75,18 @@ class JudgeRequest:
     max_new_tokens: int
 
 
+_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # every worker process not yet killed
+
+
+def kill_workers() -> int:
+    """Kill every live worker of this process (a quitting dashboard that cannot wait for the loop);
+    returns how many there were."""
+    live = list(_LIVE)
+    for w in live:
+        w.kill()
+    return len(live)
+
+
 class Worker:
     """One resident engine in a subprocess, driven over pipes; replies arrive on a private descriptor.
 
@@ -97,6 +111,7 @@ class Worker:
                                      stdout=subprocess.DEVNULL, stderr=self.log, pass_fds=(write_fd,),
                                      start_new_session=True, env=env, text=True)
         os.close(write_fd)
+        _LIVE.add(self)
         self.reply_fd = read_fd
         self.buffer = b""
         self._closed = False
@@ -217,6 +232,7 @@ class Worker:
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
+        _LIVE.discard(self)
 
     def close(self) -> None:
         if self._closed:
@@ -348,14 +364,16 @@ class Judge:
         with self.lock:
             (fresh,) = self._start([(incumbent, None)], baseline=True)
             try:
-                _, samples = self._ab(self._bound(incumbent), fresh, self.tuning)
+                with progress.step("A/A noise floor"):
+                    _, samples = self._ab(self._bound(incumbent), fresh, self.tuning)
                 ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
                 self.floor = noise_floor(ratios, self.seed)
                 stock_side = fresh if same else self._bound(stock)
-                stock_outputs = [(r, stock_side.timed(r)[0]) for r in self.tuning]
+                stock_outputs = _each("stock outputs for forcing", self.tuning, stock_side.timed)
                 vs_ar = None
                 if versus_ar:
-                    _, ar_samples = self._ab(self._bound(None), fresh, versus_ar)
+                    with progress.step("stock vs AR"):
+                        _, ar_samples = self._ab(self._bound(None), fresh, versus_ar)
                     vs_ar = compare(speedups([s["incumbent_tps"] for s in ar_samples],
                                              [s["candidate_tps"] for s in ar_samples]), self.floor, self.seed)
             finally:
@@ -380,12 +398,14 @@ class Judge:
         n = len(workers)
         timings: list[list[dict]] = [[] for _ in workers]
         outputs: list[list[Pair]] = [[] for _ in workers]
-        for i, req in enumerate(requests):
-            for k in range(n):
-                j = (i + k) % n
-                tokens, seconds = workers[j].timed(req)
-                timings[j].append({"seconds": seconds, "tps": min(len(tokens), req.max_new_tokens) / seconds})
-                outputs[j].append((req, tokens))
+        with progress.step("timing requests", len(requests)):
+            for i, req in enumerate(requests):
+                for k in range(n):
+                    j = (i + k) % n
+                    tokens, seconds = workers[j].timed(req)
+                    timings[j].append({"seconds": seconds, "tps": min(len(tokens), req.max_new_tokens) / seconds})
+                    outputs[j].append((req, tokens))
+                progress.advance()
         return timings, outputs
 
     def _ab(self, incumbent: Worker | Bound, candidate: Worker | Bound,
@@ -456,7 +476,7 @@ class Judge:
                     gate("smoke", False, f"emitted {len(tokens)} tokens for max_new_tokens {short.max_new_tokens}")
                     return verdict
                 gate("smoke", True, f"{len(tokens)} tokens on a short request")
-                outputs = [(r, cand.timed(r)[0]) for r in self.tuning]
+                outputs = _each("outputs for token forcing", self.tuning, cand.timed)
                 forcing = self._forced(outputs, recipe)
                 verdict.forcing = forcing
                 if on_forcing:
@@ -473,7 +493,8 @@ class Judge:
                         return verdict
                 incumbent_side = inc if inc is not None else self._bound(incumbent)
                 for split, requests in (("tuning", self.tuning), ("heldout", self.heldout)):
-                    timed_outputs, samples = self._ab(incumbent_side, cand, requests)
+                    with progress.step(f"{split} A/B"):
+                        timed_outputs, samples = self._ab(incumbent_side, cand, requests)
                     verdict.samples[split] = samples
                     check = self._forced(timed_outputs, recipe)
                     if not check["passed"]:
@@ -486,8 +507,9 @@ class Judge:
                     setattr(verdict, split, result)
                     if on_evaluation:
                         on_evaluation(split, result)
-                    if not gate(split, result.passed, f"speedup {result.speedup:.3f} [{result.low:.3f}, "
-                                                      f"{result.high:.3f}] needs low > {1 + self.floor:.3f}"):
+                    if not gate(split, result.passed, f"speedup {result.speedup:.3f}x [{result.low:.3f}, "
+                                                      f"{result.high:.3f}] needs low > {1 + self.floor:.3f} "
+                                                      f"(1 + noise floor {self.floor:.3f})"):
                         return verdict
             except WorkerError as exc:
                 if exc.worker is not None and exc.worker is not cand:  # the incumbent's side, not the candidate
@@ -533,6 +555,16 @@ class Judge:
         rates = [[s["tps"] for s in side] for side in (ar, base, new)]
         return (compare(speedups(rates[0], rates[2]), self.floor, self.seed),
                 compare(speedups(rates[1], rates[2]), self.floor, self.seed))
+
+
+def _each(name: str, requests: list[JudgeRequest], timed: Callable) -> list[Pair]:
+    """Each request's output from `timed`, reported as a step of len(requests)."""
+    out: list[Pair] = []
+    with progress.step(name, len(requests)):
+        for r in requests:
+            out.append((r, timed(r)[0]))
+            progress.advance()
+    return out
 
 
 def _has_plugins(workspace: str | Path | None) -> bool:

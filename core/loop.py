@@ -17,13 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from core import progress
 from core.deployment import Deployment
 from core.events import DecisionRefused, Emit, Event
 from core.judge import Judge, JudgeRequest
 from core.recipe import Recipe
 from core.recipe import stock as deployment_stock
 
-STATES = ("measuring", "proposing", "judging", "awaiting_approval", "integrating", "paused", "done", "failed")
+STATES = ("preparing", "measuring", "proposing", "judging", "awaiting_approval", "integrating", "paused", "done",
+          "stopped", "failed")
+PROGRESS_EVERY_S = 1.0  # a long step's progress is stored at most this often (and at its start and end)
 
 
 @dataclass
@@ -41,6 +44,7 @@ class LoopConfig:
     workdir: str | None = None  # candidate workspaces; default: .specpilot next to the store
     time_budget_s: float | None = None  # stop before a round that would start after this much wall time
     local_agents: tuple[str, ...] | None = None  # the local agents a run may use, by name (None = all)
+    resume: int | None = None  # continue this stopped or interrupted run from its last finished round
 
 
 def default_workdir(db: str) -> str:
@@ -58,6 +62,7 @@ class Pending:
     candidate: Any = None
     decision: str | None = None
     recorded: bool = False  # the decision is stored and its event emitted: the loop may act on it
+    note: str = ""
 
 
 class Loop:
@@ -86,6 +91,12 @@ class Loop:
         self._running = threading.Event()
         self._running.set()
         self._stop = False
+        self._abort: str | None = None  # why the step in flight is being abandoned (quit, a signal)
+        self._step: progress.Step | None = None
+        self._last_progress = (None, 0.0)
+        self.status: str | None = None  # how the run ended: finished, stopped, failed, interrupted
+        self.rejected: list[dict] = []  # this run's rejections (memory entries), given to every agent
+        self._finished = 0  # the last finished round's index
         self.judge: Judge | None = None
 
     # -- control (any thread) -------------------------------------------------------------------------
@@ -109,9 +120,24 @@ class Loop:
         with self._decided:
             self._stop = True
             self._decided.notify_all()
-        if self.run_id is not None and self._current not in ("done", "failed"):
+        if self.run_id is not None and self._current not in ("done", "failed") and not self._abort:
             self._event("notice", {"message": "stopping at the next step boundary"})
         self._running.set()
+
+    def abort(self, why: str = "quit") -> None:
+        """End the run now: the step in flight is abandoned at its next request (its workers killed), the
+        round in flight is not counted, and the run is stored as stopped (or interrupted, for a signal)."""
+        if self._abort is None:
+            self._abort = why
+            if self.run_id is not None and self._current not in ("done", "failed"):
+                step = self._step.name if self._step is not None else self._current
+                self._event("notice", {"message": f"{why}: stopping {step} (workers are killed)"})
+        self.stop()
+
+    @property
+    def waiting_for(self) -> str:
+        """What the loop is doing right now, in words (what quitting waits for)."""
+        return self._step.name if self._step is not None else self._current
 
     def decide(self, cid: str, decision: str, note: str = "") -> None:
         """Approve or reject a waiting candidate; approval never overrides a failed gate."""
@@ -126,7 +152,7 @@ class Loop:
                                       "a failed gate")
             if p.decision is not None:
                 raise DecisionRefused(f"candidate {cid} was already decided ({p.decision})")
-            p.decision = decision  # claimed: a second decision is refused from here on
+            p.decision, p.note = decision, note  # claimed: a second decision is refused from here on
         try:
             self.store.add_decision(cid, decision, note, "user")
             self._event("decision", {"cid": cid, "decision": decision, "note": note, "by": "user"})
@@ -148,66 +174,126 @@ class Loop:
                 self._emit_to(stored)
 
     def _state(self, state: str) -> None:
-        self._current = state
+        self._current, self._step = state, None
         self._event("state", {"state": state})
 
     def _checkpoint(self) -> None:
-        """Between steps: wait while paused."""
+        """Between steps: wait while paused; an aborted run goes no further."""
         if not self._running.is_set():
             self._running.wait()
+        progress.check()
+
+    def _progress(self, step: progress.Step) -> None:
+        """A long step's progress as a `progress` event: at its start, its end, and every PROGRESS_EVERY_S."""
+        import time
+
+        self._step = step
+        name, last = self._last_progress
+        now = time.monotonic()
+        if name == step.name and step.done not in (0, step.total) and now - last < PROGRESS_EVERY_S:
+            return
+        self._last_progress = (step.name, now)
+        self._event("progress", {"state": self._current, **step.payload()})
 
     # -- the run --------------------------------------------------------------------------------------
     def run(self, emit: Emit | None = None) -> dict:
-        """Run every round; returns the summary (also stored with the run)."""
+        """Run every round; returns the summary (also stored with the run). The run always ends in a
+        recorded status: finished, stopped (quit or stop), interrupted (a signal) or failed (with why)."""
         self._emit_to = emit
         cfg, d = self.config, self.config.deployment
-        self.run_id = self.store.create_run(d.to_dict(), {k: v for k, v in vars(cfg).items() if k != "deployment"})
+        if cfg.resume is not None:
+            self.store.reopen_run(cfg.resume)
+            self.run_id = cfg.resume
+        else:
+            self.run_id = self.store.create_run(d.to_dict(), {k: v for k, v in vars(cfg).items()
+                                                              if k not in ("deployment", "resume")})
         try:
-            summary = self._run()
+            with progress.reporting(self._progress, lambda: self._abort is not None):
+                summary = self._run()
+        except (progress.Cancelled, KeyboardInterrupt) as exc:
+            why = self._abort or "interrupted (SIGINT)"
+            self.status = "stopped" if self._abort == "quit" else "interrupted"
+            summary = {"run": self.run_id, "reason": f"{why} during {self.waiting_for}, round {self.round or '-'}; "
+                                                     "only finished rounds count", "rounds": self._finished}
+            self.store.finish_run(self.run_id, self.status, summary)
+            self._event("run_finished", {"run": self.run_id, "summary": summary, "status": self.status})
+            self._state("stopped")
+            if isinstance(exc, KeyboardInterrupt):
+                raise
+            return summary
         except Exception as exc:
+            if self.round == 0 and cfg.resume is None and isinstance(exc, _refusals()):
+                self.store.delete_run(self.run_id)  # refused before it began: nothing worth keeping
+                self._emit_to = None
+                raise
             self._event("error", {"message": f"{type(exc).__name__}: {exc}"})
             self._state("failed")
-            self.store.finish_run(self.run_id, "failed", {"error": str(exc)})
+            self.status = "failed"
+            self.store.finish_run(self.run_id, "failed", {"error": str(exc), "reason": f"{type(exc).__name__}: {exc}"})
             raise
         finally:
             if self.judge is not None:
                 self.judge.close()  # the resident baseline worker
-        self.store.finish_run(self.run_id, "stopped" if self._stop else "done", summary)
-        self._event("run_finished", {"run": self.run_id, "summary": summary})
+        self.status = "stopped" if self._stop else "finished"
+        self.store.finish_run(self.run_id, self.status, summary)
+        self._event("run_finished", {"run": self.run_id, "summary": summary, "status": self.status})
         self._state("done")
         return summary
+
+    def _resumed(self) -> tuple[int, dict | None]:
+        """(index of the last finished round, its incumbent) of the run being resumed; (0, None) otherwise."""
+        if self.config.resume is None:
+            return 0, None
+        done = [r for r in self.store.list_rounds(self.run_id) if r.get("finished_at") and r.get("incumbent")]
+        return (done[-1]["index"], done[-1]["incumbent"]) if done else (0, None)
 
     def _run(self) -> dict:
         from core.setup import prepare
 
         cfg, d = self.config, self.config.deployment
-        memory = self.store.memory(d.fingerprint())
+        stored = self.store.memory(d.fingerprint())
+        memory = [m for m in stored if not is_rejection(m)]
+        self.rejected = [m for m in stored if is_rejection(m) and (m.get("evidence") or {}).get("run") == self.run_id]
         here = sum(1 for m in memory if m.get("fingerprint") == d.fingerprint())
+        last, resumed = self._resumed()
+        self._finished = last
         self._event("run_started", {"run": self.run_id, "deployment": d.to_dict(), "agents": [cfg.agents],
-                                    "auto": cfg.auto, "memory": len(memory)})
+                                    "auto": cfg.auto, "memory": len(memory), "resumed_after_round": last or None})
+        if cfg.resume is not None:
+            self._event("notice", {"message": f"resuming run {self.run_id} after round {last} of {cfg.rounds}"
+                                              + (f", from its incumbent {resumed['recipe'].splitlines()[0]}"
+                                                 if resumed else ", from stock")})
         if memory:
             self._event("notice", {"message": f"memory: starting from {len(memory)} validated mechanism(s) "
                                               f"({here} from this deployment)"})
         self.workspace = Path(cfg.workdir or default_workdir(cfg.db)) / f"run-{self.run_id}"
         (self.workspace / "plugins").mkdir(parents=True, exist_ok=True)
-        ctx = prepare(d, cfg.max_requests, cfg.max_new_tokens, cfg.seed)
+        self._state("preparing")
+        with progress.step("loading the models and timing AR decoding"):
+            ctx = prepare(d, cfg.max_requests, cfg.max_new_tokens, cfg.seed)
         self.ctx = ctx
         stock = deployment_stock(d.drafter is not None)
         self._state("measuring")
         judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, self._call_limit(ctx), cfg.seed)
-        calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
+        with progress.step("calibration"):
+            calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
         self._event("notice", {"message": f"noise floor {calibration['noise_floor']:.3f} (A/A on "
                                           f"{len(ctx.tuning)} tuning requests); stock forcing rate "
                                           f"{calibration['stock_forcing']['rate']:.4f}"})
         stock_vs_ar = calibration["incumbent_vs_ar"]
         incumbent, inc_ws = stock, None
         standing = {"vs_ar": stock_vs_ar.speedup, "vs_stock": 1.0, "interval": [stock_vs_ar.low, stock_vs_ar.high]}
+        if resumed:
+            incumbent = Recipe.from_toml(resumed["recipe"], source=f"run {self.run_id} round {last}")
+            inc_ws = Path(resumed["workspace"]) if resumed.get("workspace") else None
+            standing = {"vs_ar": resumed["heldout_speedup_vs_ar"], "vs_stock": resumed["heldout_speedup_vs_stock"],
+                        "interval": resumed.get("interval")}
         rounds = []
         started = time.monotonic()
         stopped_by = None
         uncovered_seen: set[str] = set()
         stop_reason = None
-        for index in range(1, cfg.rounds + 1):
+        for index in range(last + 1, cfg.rounds + 1):
             if self._stop or stop_reason:
                 break
             if cfg.time_budget_s is not None and time.monotonic() - started > cfg.time_budget_s:
@@ -219,7 +305,8 @@ class Loop:
             self.round = index
             self._event("round_started", {"round": index})
             self._state("measuring")
-            report = ctx.analyse(incumbent)
+            with progress.step("gap analysis"):
+                report = ctx.analyse(incumbent)
             ceiling_vs_ar = report["ceiling_tokens_per_s"] / ctx.ar_tokens_per_s if ctx.ar_tokens_per_s else None
             self._event("gaps", {"round": index, "measured_tokens_per_s": report["measured_tokens_per_s"],
                                  "ceiling_tokens_per_s": report["ceiling_tokens_per_s"], "gaps": report["gaps"],
@@ -241,18 +328,23 @@ class Loop:
             previous = incumbent
             if new is not incumbent:
                 new = new.replace(name=f"run{self.run_id}-round{index}")
-                vs_ar, vs_stock = judge.standing(new, stock, ctx.heldout, new_ws)
+                with progress.step("timing the new incumbent against AR and stock"):
+                    vs_ar, vs_stock = judge.standing(new, stock, ctx.heldout, new_ws)
                 standing = {"vs_ar": vs_ar.speedup, "vs_stock": vs_stock.speedup,
                             "interval": [vs_stock.low, vs_stock.high]}
                 incumbent, inc_ws = new, new_ws
             inc = {"round": index, "recipe": incumbent.to_toml(), "heldout_speedup_vs_ar": standing["vs_ar"],
                    "heldout_speedup_vs_stock": standing["vs_stock"], "interval": standing["interval"],
-                   "ceiling_speedup_vs_ar": ceiling_vs_ar, "stock_speedup_vs_ar": stock_vs_ar.speedup}
+                   "ceiling_speedup_vs_ar": ceiling_vs_ar, "stock_speedup_vs_ar": stock_vs_ar.speedup,
+                   "workspace": str(inc_ws) if inc_ws else None}
+            progress.check()
             with self._events, self.store.transaction():  # a finished round is stored whole, or not at all
                 self._remember(evidence, previous)
+                self._remember_rejections(pending, previous)
                 self._event("incumbent", inc)
                 self._event("round_finished", {"round": index})
                 self.store.finish_round(round_id, inc)
+            self._finished = index
             rounds.append({"index": index, "largest_gap": report["largest_gap"],
                            "candidates": [self._candidate_summary(p) for p in pending],
                            "incumbent": {"recipe": incumbent.to_toml(), "heldout_speedup_vs_ar": standing["vs_ar"],
@@ -327,14 +419,14 @@ class Loop:
             context = AgentContext(deployment=self.config.deployment.to_dict(), recipe=incumbent, cost_report=report,
                                    memory=memory, direction=dirs[i], workspace=ws,
                                    tuning_summary=self.ctx.tuning_summary, seed=self.config.seed + index,
-                                   tools=self.ctx.tools)
+                                   tools=self.ctx.tools, rejected=list(self.rejected))
             try:
                 out = agent.propose(context, lambda text: self._event("agent_chunk", {"cid": cid, "text": text}))
             except Exception as exc:  # an agent bug is that candidate's failure, never the loop's
-                from core.agents.base import AgentFailure
-
                 out = AgentFailure(agent.name, f"agent crashed: {type(exc).__name__}: {exc}")
-            results[i] = (cid, out)
+            results[i] = (cid, self._unless_rejected(out, incumbent))
+            if not isinstance(results[i][1], AgentFailure):
+                self._event("agent_done", {"cid": cid, "agent": agent.name, "title": out.title})
 
         with ThreadPoolExecutor(max_workers=max(1, len(agents))) as pool:
             list(pool.map(work, range(len(agents))))
@@ -383,11 +475,12 @@ class Loop:
                 self._event("evaluation", {"cid": cid, "split": split, "speedup": result.speedup, "low": result.low,
                                            "high": result.high, "passed": result.passed})
 
-            verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
+            with progress.step(f"judging {cid}"):
+                verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
             for split, samples in verdict.samples.items():
-                comp = getattr(verdict, split)
-                if comp is not None:  # timed outputs that failed forcing have samples but no comparison
-                    self.store.add_evaluation(cid, split, {**comp.to_dict(), "samples": samples})
+                comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
+                self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
+                                                       "samples": samples})
             failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
             pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
         return pending
@@ -431,19 +524,51 @@ class Loop:
                 for p in approved:
                     for f in (self.workspace / p.cid / "plugins").glob("*.py"):
                         (merged_ws / "plugins" / f.name).write_text(f.read_text())
-                verdict = judge.evaluate(combined, best.recipe, merged_ws, ws)
+                with progress.step("judging the combined winners"):
+                    verdict = judge.evaluate(combined, best.recipe, merged_ws, ws)
                 if verdict.passed:
                     self._event("notice", {"message": f"combined recipe beats the best single winner "
-                                                      f"(x{verdict.heldout.speedup:.3f} held-out)"})
+                                                      f"({verdict.heldout.speedup:.3f}x held-out)"})
                     return combined, merged_ws, approved
                 self._event("notice", {"message": f"combined recipe kept out ({verdict.reason}); "
                                                   f"taking {best.cid}"})
         return choice, ws, evidence
 
+    def _unless_rejected(self, out: Any, incumbent: Recipe) -> Any:
+        """A candidate that repeats a rejected change, without saying what differs, fails here: the person
+        said no, whatever an agent (local or Claude) makes of the note."""
+        from core.agents.base import AgentFailure, Candidate, rejection_line, rejection_of
+
+        if not isinstance(out, Candidate) or out.differs.strip():
+            return out
+        hit = rejection_of(out.recipe, incumbent, self.rejected)
+        if hit is None:
+            return out
+        return AgentFailure(out.agent, f"proposed {out.title!r} again, which repeats {rejection_line(hit)}; "
+                                       "a repeat must say what differs")
+
+    def _remember_rejections(self, pending: list[Pending], previous: Recipe) -> None:
+        """Store each rejected candidate in memory (marked as a rejection, with the note verbatim) so the
+        run's later rounds, and a resumed run, do not propose it again."""
+        for p in pending:
+            if p.decision != "reject" or not p.recorded:
+                continue
+            entry = {"mechanism": p.candidate.title, "description": p.note or p.candidate.rationale,
+                     "fragment": _fragment(p.recipe, previous.to_dict()), "fingerprint": self.config.deployment.fingerprint(),
+                     "effect": None,
+                     "evidence": {"decision": "reject", "note": p.note, "run": self.run_id, "round": self.round,
+                                  "cid": p.cid}}
+            self.store.add_memory(entry)
+            self.rejected.append(entry)
+
     def _candidate_workspace(self, cid: str, inc_ws: Path | None) -> Path:
         """A candidate's workspace starts with the incumbent's plugins, so agents see (and recipes keep
-        using) the code the incumbent runs."""
+        using) the code the incumbent runs; one left by an abandoned attempt at this round is cleared."""
+        import shutil
+
         ws = self.workspace / cid
+        if ws.exists():
+            shutil.rmtree(ws)
         (ws / "plugins").mkdir(parents=True, exist_ok=True)
         if inc_ws is not None:
             for f in (Path(inc_ws) / "plugins").glob("*.py"):
@@ -497,6 +622,20 @@ def _plugin_sources(recipe: Recipe, workspace: Path) -> dict[str, str]:
     wanted = {(k, v.removeprefix(PLUGIN_PREFIX)) for k, v in recipe_mechanisms(recipe) if v.startswith(PLUGIN_PREFIX)}
     return {f"plugins/{path.name}": path.read_text() for path in sorted((workspace / "plugins").glob("*.py"))
             if wanted & declared_in(path)}
+
+
+def is_rejection(entry: dict) -> bool:
+    """A memory entry that records a person's rejection, not a validated win."""
+    return (entry.get("evidence") or {}).get("decision") == "reject"
+
+
+def _refusals() -> tuple[type[BaseException], ...]:
+    """Errors that mean the run could not begin (bad paths, files, options): no run is kept for them."""
+    from core.engine import ModelLoadError
+    from core.recipe import RecipeError
+    from core.workload import WorkloadError
+
+    return (ModelLoadError, WorkloadError, RecipeError, FileNotFoundError, ValueError)
 
 
 def _combine(incumbent: Recipe, winners: list[Recipe]) -> Recipe | None:
@@ -553,6 +692,8 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
     import os
 
     db = args.db or os.environ.get("SPECPILOT_DB") or "store.db"
+    if getattr(args, "resume", None) is not None:
+        return _resumed_config(args.resume, db, bool(args.auto))
     return LoopConfig(deployment=Deployment.from_args(args), rounds=args.rounds, agents=args.agents,
                       model=getattr(args, "model", None) or "claude-opus-5-5", auto=args.auto, db=db,
                       max_requests=getattr(args, "max_requests", None),
@@ -580,6 +721,32 @@ def parse_local_agents(spec: str | None) -> tuple[str, ...] | None:
     return names
 
 
+def _resumed_config(run_id: int, db: str, auto: bool) -> LoopConfig:
+    """The stored run's own deployment and options, to continue it where its last finished round ended."""
+    import dataclasses
+
+    from core.store import Store
+    from core.store.db import RESUMABLE
+
+    if not Path(db).is_file():
+        raise FileNotFoundError(f"no store at {db}; pass the --db the run was stored in")
+    store = Store(db, read_only=True)
+    try:
+        run = store.run(run_id)
+    finally:
+        store.close()
+    if run is None:
+        raise FileNotFoundError(f"run {run_id} is not in {db}; see `specpilot runs`")
+    if run["status"] not in RESUMABLE:
+        raise ValueError(f"run {run_id} is {run['status']}; only a stopped or interrupted run can be resumed")
+    names = {f.name for f in dataclasses.fields(Deployment)}
+    deployment = Deployment(**{k: v for k, v in run["deployment"].items() if k in names})
+    known = {f.name for f in dataclasses.fields(LoopConfig)} - {"deployment", "db", "resume", "auto"}
+    stored = {k: v for k, v in run["config"].items() if k in known}
+    return LoopConfig(deployment=deployment, db=db, resume=run_id, auto=auto or bool(run["config"].get("auto")),
+                      **stored)
+
+
 def build_loop(args: argparse.Namespace) -> Loop:
     """What the dashboard and `specpilot run` call."""
     return Loop(config_from_args(args))
@@ -601,11 +768,31 @@ def stderr_progress(event: Event) -> None:
     elif event.kind == "gate" and not p["passed"]:
         line = f"    {p['cid']} failed {p['gate']}: {p['detail']}"
     elif event.kind == "evaluation":
-        line = f"    {p['cid']} {p['split']}: x{p['speedup']:.3f} [{p['low']:.3f}, {p['high']:.3f}]"
+        line = f"    {p['cid']} {p['split']}: {p['speedup']:.3f}x [{p['low']:.3f}, {p['high']:.3f}] vs the incumbent"
     elif event.kind == "incumbent":
-        line = (f"  incumbent: x{p['heldout_speedup_vs_ar']:.2f} vs AR, x{p['heldout_speedup_vs_stock']:.2f} "
+        line = (f"  incumbent: {p['heldout_speedup_vs_ar']:.2f}x vs AR, {p['heldout_speedup_vs_stock']:.2f}x "
                 f"vs stock (held-out)")
     elif event.kind == "notice":
         line = f"  {event.kind}: {p['message']}"
+    elif event.kind == "progress" and _progress_worth_a_line(p):
+        line = f"  {progress.describe(p)}"
+    elif event.kind == "run_finished":
+        line = f"run {p['run']} {p.get('status', 'finished')}" + (f": {p['summary']['reason']}"
+                                                                 if (p.get("summary") or {}).get("reason") else "")
     if line:
         print(line, file=sys.stderr, flush=True)
+
+
+_printed: dict[str, int] = {}
+
+
+def _progress_worth_a_line(p: dict) -> bool:
+    """Headless output keeps a long step to a few lines: its start, each quarter, its end."""
+    total, done = p.get("total"), p.get("done") or 0
+    if not total:
+        return False
+    quarter = 4 * done // total
+    if _printed.get(p.get("step", "")) == quarter:
+        return False
+    _printed[p.get("step", "")] = quarter
+    return True

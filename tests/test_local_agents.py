@@ -206,8 +206,8 @@ def test_memory_agent_proposes_remembered_fragments(tmp_path: Path) -> None:
     out, text = run(MemoryAgent(), ctx)
     cand = check_candidate(out, ctx)
     assert cand.recipe.draft.method == "ngram" and cand.recipe.tree.paths == paths
-    assert "from memory: static tree (won x1.23 on other); recorded on another deployment" in text
-    assert "from memory: ngram (won x1.10 on here)" in text and "already there" not in text
+    assert "from memory: static tree (won 1.23x on other); recorded on another deployment" in text
+    assert "from memory: ngram (won 1.10x on here)" in text and "already there" not in text
     assert cand.predicted_speedup == pytest.approx(1.1)
 
     out, _ = run(MemoryAgent(), context(tmp_path, memory=memory[:1]))

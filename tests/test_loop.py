@@ -20,7 +20,7 @@ from core.cli import main
 from core.events import GATES
 from core.store import Store
 
-SPECPILOT = Path(sys.executable).parent / "specpilot"
+ROOT = Path(__file__).resolve().parent.parent
 CANDIDATE_KEYS = {"agent", "title", "gates", "verdict", "reason", "heldout_speedup", "interval"}
 INCUMBENT_KEYS = {"recipe", "heldout_speedup_vs_ar", "heldout_speedup_vs_stock", "interval"}
 
@@ -38,9 +38,10 @@ def run_argv(mini: dict, db: Path, *extra: str, rounds: int = 1, agents: str = "
 
 
 def cli(*argv: str, cwd: Path) -> subprocess.Popen:
-    command = [str(SPECPILOT)] if SPECPILOT.exists() else [sys.executable, "-m", "core.cli"]
-    return subprocess.Popen(command + list(argv), cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+    """This checkout's `specpilot` (an installed console script may belong to another checkout)."""
+    return subprocess.Popen([sys.executable, "-m", "core.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)})
 
 
 @pytest.fixture(scope="module")
@@ -78,7 +79,7 @@ def test_show_prints_each_round(first_run, capsys):
     assert main(["show", str(summary["run"]), "--db", str(db)]) == 0
     out = capsys.readouterr().out.splitlines()
     rnd = summary["rounds"][0]
-    assert out[0] == f"run {summary['run']} (done)"
+    assert out[0] == f"run {summary['run']} (finished)"
     assert out[1].startswith(f"round 1: largest gap {rnd['largest_gap']} (ms/token: acceptance ")
     for c in rnd["candidates"]:
         line = next(x for x in out if c["title"][:50] in x)

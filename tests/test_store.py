@@ -61,10 +61,10 @@ def test_runs_and_rounds_listing(store: Store) -> None:
     for index, speedup in ((1, 1.4), (2, 1.7)):
         rid = add_round(store, first, index, f"c{index}")
         store.finish_round(rid, {"round": index, "heldout_speedup_vs_ar": speedup})
-    store.finish_run(first, "done", {"best": 1.7})
+    store.finish_run(first, "finished", {"best": 1.7})
     runs = store.list_runs()
     assert [r["id"] for r in runs] == [second, first]
-    assert runs[1]["status"] == "done" and runs[1]["finished_at"] is not None
+    assert runs[1]["status"] == "finished" and runs[1]["finished_at"] is not None
     assert (runs[1]["rounds"], runs[1]["best_heldout_speedup"], runs[1]["deployment"]) == (2, 1.7, {"target": "a"})
     assert (runs[0]["rounds"], runs[0]["best_heldout_speedup"]) == (0, None)
     rounds = store.list_rounds(first)

@@ -182,8 +182,8 @@ def test_live_panels_update_and_approval_reaches_the_core() -> None:
         assert "184.0 tok/s measured" in content["gaps_title"] and "ceiling 331.2" in content["gaps_title"]
         rows = {r[0]: r for r in content["candidates"]}
         assert rows["c1"][1:] == ("local:0", "Wider dynamic tree", "awaiting", "✓✓✓✓✓", "1.18x", "1.19x")
-        assert rows["c2"][3:5] == ("failed forcing", "✓✓✗··")
-        assert rows["c3"][3] == "agent failed"
+        assert rows["c2"][3:5] == ("✗ forcing", "✓✓✗··")
+        assert rows["c3"][3] == "✗ agent"
         assert content["forcing"] == [("c1", "4096", "30", "0.73%", "27", "1.22%", "PASS"),
                                       ("c2", "4096", "82", "2.00%", "9", "1.22%", "FAIL")]
         assert '+policy = "dynamic"' in content["diff"] and content["diff"].startswith("# Wider dynamic tree")
@@ -378,7 +378,7 @@ def test_a_loop_that_cannot_start_leaves_the_ui_usable() -> None:
         await pilot.press("q")
 
     drive(app, script)
-    assert app.return_code == 0
+    assert app.return_code == 1  # the run failed to start: a script calling the dashboard must see it
 
 
 def test_a_loop_that_raises_mid_run_is_reported() -> None:
@@ -603,3 +603,224 @@ def test_parser_matches_specpilot_run(monkeypatch: pytest.MonkeyPatch) -> None:
     assert build_parser().parse_args(["--replay", "7", "--auto"]).replay == "7"
     with pytest.raises(SystemExit):
         main(["--rounds", "many"])
+
+
+# --- progress, quitting, signals, the run's end ----------------------------------------------------
+
+
+class SlowCore(FakeCore):
+    """A core stuck in one long step until it is aborted, as the real loop is in a measurement."""
+
+    def __init__(self) -> None:
+        super().__init__(rounds=1)
+        self.aborted: list[str] = []
+        self.waiting_for = "calibration: A/A noise floor"
+
+    def run(self, emit: Any) -> None:
+        self._emit = emit
+        self._raw("run_started", {"run": 1, "deployment": {}, "agents": [], "auto": False})
+        self._raw("state", {"state": "measuring"})
+        self._raw("progress", {"state": "measuring", "step": self.waiting_for, "done": 12, "total": 40,
+                               "elapsed_s": 62.0, "eta_s": 190.0})
+        try:
+            self._wait_for(lambda: False)
+        except Exception:
+            self._raw("state", {"state": "stopped"})
+        finally:
+            self.finished.set()
+
+    def abort(self, why: str) -> None:
+        self.aborted.append(why)
+        self.stop()
+
+
+def test_progress_of_a_long_step_shows_while_measuring() -> None:
+    """Requests done of total, elapsed and ETA on the status line; between events the clock runs on."""
+    core = SlowCore()
+    app = make_app(core)
+    now = [1000.0]
+
+    async def script(pilot: Any) -> None:
+        line = app.live.query_one(StatusLine)
+        await until(pilot, lambda: "12/40" in line.text)
+        app.live.state.clock = lambda: now[0]
+        app.live.feed(Event("progress", {"state": "measuring", "step": "calibration: A/A noise floor", "done": 12,
+                                         "total": 40, "elapsed_s": 62.0, "eta_s": 190.0}))
+        await pilot.pause(0.05)
+        assert line.text.strip() == "⏳ measuring: calibration: A/A noise floor 12/40 requests, 1m02s, ETA 3m10s"
+        assert "measuring" in app.live.query_one(StatusHeader).text
+        now[0] += 10
+        await until(pilot, lambda: "1m12s" in line.text)
+        assert line.text.strip().endswith("12/40 requests, 1m12s, ETA 3m00s")
+        app.live.feed(Event("state", {"state": "proposing"}))
+        await pilot.pause(0.05)
+        assert "12/40" not in line.text  # the step is over once the next phase begins
+        core.abort("test over")
+
+    drive(app, script)
+
+
+def test_quit_during_a_step_says_what_it_waits_for_then_stops_it() -> None:
+    core = SlowCore()
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: app.live.state.progress is not None)
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+        assert core.aborted == ["quit"] and core.finished.is_set()
+        assert "quitting: stopping calibration: A/A noise floor" in " ".join(notifications(app) + [
+            app.live.query_one(StatusLine).text])
+
+    drive(app, script)
+    assert app.return_code == 0
+
+
+def test_sigint_stops_the_step_and_exits_130() -> None:
+    import os
+    import signal
+
+    core = SlowCore()
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: app.live.state.progress is not None)
+        os.kill(os.getpid(), signal.SIGINT)
+        await until(pilot, lambda: app.return_code is not None)  # the app leaves by itself
+
+    drive(app, script)
+    assert core.aborted == ["interrupted (SIGINT)"]
+    assert app.return_code == 130
+
+
+def test_the_dashboard_exits_non_zero_after_a_failed_run() -> None:
+    core = FakeCore(rounds=1, auto=True, fail_with="the judge's worker died")
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: app.live.state.loop_state == "failed")
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+
+    drive(app, script)
+    assert app.return_code == 1
+
+
+def _two_waiting() -> list[Event]:
+    events = [Event("run_started", {"run": 1, "deployment": {}, "agents": [], "auto": False}),
+              Event("round_started", {"round": 1})]
+    for cid in ("c1", "c2", "c3"):
+        events += [Event("agent_started", {"cid": cid, "agent": "local", "direction": "verify"}),
+                   Event("candidate", {"cid": cid, "agent": "local", "title": f"change {cid}", "diff": "-a\n+b\n"})]
+        events += [Event("gate", {"cid": cid, "gate": g, "passed": True, "detail": "ok"}) for g in
+                   ("applies", "smoke", "forcing", "tuning", "heldout")]
+    return events + [Event("awaiting_decision", {"cid": cid}) for cid in ("c1", "c2", "c3")]
+
+
+def test_after_a_reject_the_cursor_moves_to_the_next_waiting_candidate() -> None:
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        for event in _two_waiting():
+            app.live.feed(event)
+        await pilot.pause(0.1)
+        assert app.live.current_cid == "c1"
+        app.live.feed(Event("decision", {"cid": "c1", "decision": "reject", "note": "no", "by": "user"}))
+        await pilot.pause(0.1)
+        assert app.live.current_cid == "c2"
+        app.live.feed(Event("decision", {"cid": "c2", "decision": "approve", "note": "", "by": "user"}))
+        await pilot.pause(0.1)
+        assert app.live.current_cid == "c3"
+
+    drive(app, script)
+
+
+def test_a_proposal_waiting_for_the_judge_is_queued_with_its_title() -> None:
+    state = DashboardState()
+    state.apply_all([Event("agent_started", {"cid": "c1", "agent": "local", "direction": "verify"}),
+                     Event("agent_done", {"cid": "c1", "agent": "local", "title": "linear backend fused"})])
+    assert (state.candidates["c1"].state, state.candidates["c1"].title) == ("queued", "linear backend fused")
+
+
+def test_first_focus_is_the_candidate_table_and_keys_1_to_4_pick_panels() -> None:
+    core = FakeCore(rounds=1)
+    app = make_app(core)
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: "c1" in core.awaiting)
+        assert isinstance(app.focused, CandidateTable)
+        await pilot.press("down")
+        assert app.live.current_cid == "c2"  # arrows move the cursor at once, no Tab first
+        tabs = app.live.query_one(TabbedContent)
+        for key, pane in (("3", "tab-forcing"), ("2", "tab-gaps"), ("4", "tab-speedup"), ("1", "tab-candidates")):
+            await pilot.press(key)
+            assert tabs.active == pane
+        assert isinstance(app.focused, CandidateTable)
+        await pilot.press("q")
+
+    drive(app, script)
+
+
+def test_empty_panels_say_what_they_wait_for() -> None:
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        note = app.live.query_one("#forcing-empty")
+        assert note.display and "no forcing result yet" in str(note.render())
+        assert "no proposals yet" in app.live.query_one("#diff", DiffView).placeholder
+        app.live.load(record(1, until_awaiting=True))
+        await pilot.pause(0.05)
+        assert not app.live.query_one("#forcing-empty").display
+
+    drive(app, script)
+
+
+def test_screenshot_goes_to_the_working_directory_without_downloads(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        app.action_screenshot()
+        await pilot.pause(0.05)
+
+    drive(app, script)
+    saved = list(tmp_path.glob("*.svg"))
+    assert len(saved) == 1 and any(str(saved[0]) in m for m in notifications(app))
+
+
+def test_replay_counts_what_it_plays_and_says_when_there_is_no_next_round(tmp_path: Path) -> None:
+    db = stored(tmp_path, record(2))
+    app = make_app(argv=("--replay", "1", "--db", str(db)))
+
+    async def script(pilot: Any) -> None:
+        await until(pilot, lambda: isinstance(app.screen, ReplayScreen))
+        screen = app.screen
+        _, own = split_round(screen.events, 2)
+        bar = screen.query_one("#replay-bar")
+        assert f"· {len(own)} events ·" in str(bar.render())
+        await pilot.press("4", "p")
+        await until(pilot, lambda: not screen.playing)
+        assert f"played {len(own)}/{len(own)}" in str(bar.render())
+        await pilot.press("right_square_bracket")
+        assert any("round 2 is the last round of run 1" in m for m in notifications(app))
+
+    drive(app, script)
+
+
+def test_notices_stay_on_the_status_line_and_only_problems_toast() -> None:
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        for i in range(4):
+            app.live.feed(Event("notice", {"message": f"notice {i}"}))
+        app.live.feed(Event("candidate_failed", {"cid": "c1", "agent": "local", "reason": "no diff"}))
+        await pilot.pause(0.1)
+        assert not any(m.startswith("notice") for m in notifications(app))
+        assert any("failed on c1" in m for m in notifications(app))
+        app.live.feed(Event("notice", {"message": "notice 4"}))
+        await pilot.pause(0.05)
+        assert "notice 4" in app.live.query_one(StatusLine).text
+
+    drive(app, script)

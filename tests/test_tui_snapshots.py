@@ -106,3 +106,77 @@ def test_replay_screen(size: str, tmp_path: Path) -> None:
     text, svg = snapshot(app, SIZES[size], prepare)
     assert "REPLAY · run 1 · round 2" in text
     check(f"replay_{size}", text, svg, tmp_path)
+
+
+def _every_state() -> list[Any]:
+    """Events that leave one candidate in each state the table can show, row by row."""
+    from core.events import GATES, Event
+
+    def started(cid: str) -> list[Event]:
+        return [Event("agent_started", {"cid": cid, "agent": "local", "direction": "verify"})]
+
+    def proposed(cid: str) -> list[Event]:
+        return started(cid) + [Event("candidate", {"cid": cid, "agent": "local", "title": f"change {cid}"})]
+
+    def gates(cid: str, upto: int, fail: bool = False) -> list[Event]:
+        return [Event("gate", {"cid": cid, "gate": g, "passed": not (fail and i == upto - 1), "detail": ""})
+                for i, g in enumerate(GATES[:upto])]
+
+    events = [Event("run_started", {"run": 1, "deployment": {}, "agents": [], "auto": False}),
+              Event("round_started", {"round": 1})]
+    events += started("c1")
+    events += started("c2") + [Event("agent_done", {"cid": "c2", "agent": "local", "title": "queued one"})]
+    events += proposed("c3")
+    events += proposed("c4") + gates("c4", 1)
+    events += proposed("c5") + gates("c5", 5)
+    events += proposed("c6") + gates("c6", 3, fail=True)
+    events += started("c7") + [Event("candidate_failed", {"cid": "c7", "agent": "local", "reason": "no diff"})]
+    events += proposed("c8") + gates("c8", 5) + [Event("awaiting_decision", {"cid": "c8"})]
+    for cid, decision in (("c9", "approve"), ("c10", "reject")):
+        events += proposed(cid) + gates(cid, 5) + [Event("decision", {"cid": cid, "decision": decision,
+                                                                       "note": "", "by": "user"})]
+    return events
+
+
+def contrast(a: Any, b: Any) -> float:
+    """WCAG contrast ratio of two rich colours."""
+    def luminance(color: Any) -> float:
+        channels = [c / 255 for c in color.get_truecolor()]
+        lin = [c / 12.92 if c <= 0.03928 else ((c + 0.055) / 1.055) ** 2.4 for c in channels]
+        return 0.2126 * lin[0] + 0.7152 * lin[1] + 0.0722 * lin[2]
+
+    hi, lo = sorted((luminance(a), luminance(b)), reverse=True)
+    return (hi + 0.05) / (lo + 0.05)
+
+
+@pytest.mark.parametrize("theme", ["specpilot-dark", "specpilot-light", "specpilot-mono"])
+def test_every_state_cell_reads_on_the_highlighted_row(theme: str) -> None:
+    """The state cell is what a user checks before pressing `a`: on the highlighted row as on the others,
+    in every theme, its text and background differ by at least WCAG AA (4.5:1)."""
+    from app.widgets.candidates import CandidateTable, state_label
+
+    app = SpecPilotApp(build_parser().parse_args(["--theme", theme]))
+    seen: dict[str, list[float]] = {}
+
+    async def go() -> None:
+        async with app.run_test(size=SIZES["160x50"]) as pilot:
+            app.live.load(_every_state())
+            await pilot.pause(0.1)
+            table = app.live.query_one(CandidateTable)
+            states = {cid: c.state for cid, c in app.live.state.candidates.items()}
+            assert len(set(states.values())) == 10, states
+            for index, (cid, state) in enumerate(states.items()):
+                for cursor in (index, (index + 1) % len(states)):  # highlighted, then not
+                    table.move_cursor(row=cursor)
+                    await pilot.pause(0.02)
+                    line = table.render_line(index + 1)  # the header is line 0
+                    label = state_label(state)
+                    cell = [seg for seg in line if seg.text.strip() and seg.text.strip() in label]
+                    assert cell, f"{label!r} not rendered in {''.join(s.text for s in line)!r}"
+                    style = cell[0].style
+                    assert style.color is not None and style.bgcolor is not None, (state, style)
+                    seen.setdefault(state, []).append(contrast(style.color, style.bgcolor))
+
+    asyncio.run(go())
+    low = {state: min(ratios) for state, ratios in seen.items() if min(ratios) < 4.5}
+    assert not low, f"state cells below 4.5:1 in {theme}: {low}"

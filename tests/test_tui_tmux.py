@@ -18,18 +18,22 @@ import pytest
 
 TMUX = shutil.which("tmux") or "/usr/bin/tmux"
 ROOT = Path(__file__).resolve().parent.parent
+SOCKET = f"specpilot-test-{os.getpid()}"  # a private tmux server: other tmux sessions are never touched
 
 pytestmark = pytest.mark.skipif(not Path(TMUX).exists(), reason="tmux is not installed")
 
 
 def tui_command() -> list[str]:
-    """The installed entry point, else the module."""
-    exe = Path(sys.executable).parent / "specpilot-tui"
-    return [str(exe)] if exe.exists() else [sys.executable, "-m", "app.app"]
+    """This checkout's dashboard (an installed entry point may belong to another checkout)."""
+    return ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "app.app"]
 
 
 def tmux(*args: str) -> str:
-    return subprocess.run([TMUX, *args], check=True, capture_output=True, text=True).stdout
+    return subprocess.run([TMUX, "-L", SOCKET, *args], check=True, capture_output=True, text=True).stdout
+
+
+def kill_session(session: str) -> None:
+    subprocess.run([TMUX, "-L", SOCKET, "kill-session", "-t", session], capture_output=True)
 
 
 def wait_for_pane(session: str, *needles: str, timeout: float = 30.0) -> str:
@@ -78,4 +82,4 @@ def test_live_dashboard_under_tmux(tmp_path: Path) -> None:
         wait_for_gone(session, "SpecPilot — keys")
         assert quit_status(session, status, timeout=20) == "0"
     finally:
-        subprocess.run([TMUX, "kill-session", "-t", session], capture_output=True)
+        kill_session(session)

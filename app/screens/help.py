@@ -15,7 +15,9 @@ Live dashboard
   space      pause / resume the loop (the step in flight finishes)
   enter      the selected candidate's full diff
   ↑ ↓        move in a table; tab / shift+tab: next / previous widget
+  1 2 3 4    candidates, gaps, forcing, speedup (the tab, on small terminals)
   ← →        switch panels when they are tabs (small terminals)
+  q          quit: stops the step in flight (workers killed); q again: leave at once
 
 Runs and replay
   R          list stored runs and rounds; enter opens a round

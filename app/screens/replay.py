@@ -40,8 +40,8 @@ class ReplayScreen(Screen[None]):
         Binding("2", "speed(1)", "10x", show=False),
         Binding("3", "speed(2)", "100x", show=False),
         Binding("4", "speed(3)", "Instant", show=False),
-        Binding("left_square_bracket", "round(-1)", "Prev round"),
-        Binding("right_square_bracket", "round(1)", "Next round"),
+        Binding("left_square_bracket", "round(-1)", "Prev"),
+        Binding("right_square_bracket", "round(1)", "Next"),
     ]
 
     def __init__(self, store: StoreLike, run_id: Any, rounds: list[int], index: int | None) -> None:
@@ -85,8 +85,9 @@ class ReplayScreen(Screen[None]):
         if position is None:
             position = "playing" if self.playing else f"end of {where}"
         name = SPEEDS[self.speed][0]
+        own = len(split_round(self.events, self.index)[1])  # what `p` plays: the round's own events
         self.query_one("#replay-bar", Static).update(
-            f" REPLAY · run {self.run_id} · {where} · {len(self.events)} events · speed {name} · {position}")
+            f" REPLAY · run {self.run_id} · {where} · {own} events · speed {name} · {position}")
 
     def action_play(self) -> None:
         prefix, events = split_round(self.events, self.index)
@@ -107,11 +108,11 @@ class ReplayScreen(Screen[None]):
                     await asyncio.sleep(wait)
             last = event.time
             dashboard.feed(event)
-            if n % 50 == 0:
+            if n % 50 == 0 or n + 1 == len(events):
                 self.update_bar(f"playing {n + 1}/{len(events)}")
         dashboard.drain()
         self.playing = False
-        self.update_bar()
+        self.update_bar(f"played {len(events)}/{len(events)}")
 
     def action_speed(self, which: int) -> None:
         self.speed = which
@@ -124,6 +125,9 @@ class ReplayScreen(Screen[None]):
         if 0 <= pos < len(self.rounds):
             self.index = self.rounds[pos]
             self.show_round()
+        else:
+            edge = "last" if step > 0 else "first"
+            self.app.notify(f"round {self.index} is the {edge} round of run {self.run_id}", timeout=3)
 
     def action_back(self) -> None:
         self.workers.cancel_group(self, "replay")

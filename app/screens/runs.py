@@ -37,6 +37,8 @@ def round_details(info: dict[str, Any]) -> str:
     parts = []
     if isinstance(info.get("candidates"), int):
         parts.append(f"{info['candidates']} candidates")
+    if info.get("failed_proposals"):
+        parts.append(f"{info['failed_proposals']} agents proposed nothing")
     incumbent = info.get("incumbent")
     if isinstance(incumbent, dict) and isinstance(incumbent.get("heldout_speedup_vs_ar"), (int, float)):
         parts.append(f"incumbent {incumbent['heldout_speedup_vs_ar']:.2f}x AR")

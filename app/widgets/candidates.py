@@ -4,8 +4,11 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+from rich.style import Style
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.color import Color
 from textual.containers import Vertical
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
@@ -13,16 +16,47 @@ from textual.widgets.data_table import CellDoesNotExist
 from app.state import CandidateView, DashboardState
 from app.widgets.diffview import DiffView
 
-COLUMNS = (("cid", "cid", None), ("agent", "agent", None), ("title", "title", 24), ("state", "state", None),
-           ("gates", "gates", None), ("pred", "pred", None), ("meas", "meas", None))
+COLUMNS = (("cid", "cid", 5), ("agent", "agent", 12), ("title", "title", 24), ("state", "state", 10),
+           ("gates", "gates", 5), ("pred", "pred", 5), ("meas", "meas", 5))
+TITLE_MIN = 10
+LEGEND = "pred, meas: speedup over the incumbent (meas: held-out, else tuning) · gates: ✓ pass ✗ fail · not run"
 
 
 def speedup_cell(value: float | None) -> Text:
+    """A speedup as everywhere on screen: 1.19x."""
     return Text("—" if value is None else f"{value:.2f}x", justify="right")
+
+
+def short_cid(cid: str) -> str:
+    """'3-r2-c4' -> 'c4': the run and round are in the header."""
+    return cid.rsplit("-", 1)[-1] if "-r" in cid else cid
+
+
+def state_label(state: str) -> str:
+    """The state in at most 10 characters: 'failed heldout' -> '✗ heldout', 'agent failed' -> '✗ agent'."""
+    if state.startswith("failed "):
+        return "✗ " + state[len("failed "):]
+    return {"agent failed": "✗ agent", "approved": "✓ approved", "passed": "✓ passed"}.get(state, state)
+
+
+def fit(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: max(1, width - 1)] + "…"
+
+
+def badge(style: Style) -> Style:
+    """A state's colour as the cell's background with black or white text on it, so the cell reads the
+    same on the highlighted row as on any other, in every theme."""
+    if style.color is None or style.color.triplet is None:
+        return style
+    back = Color(*style.color.triplet)
+    return Style(color=back.get_contrast_text(1.0).rich_color, bgcolor=back.rich_color, bold=True,
+                 underline=style.underline, strike=style.strike)
 
 
 class CandidateTable(DataTable):
     """One row per candidate of the current round, keyed by cid; cells update in place."""
+
+    BINDINGS = [Binding("enter", "select_cursor", "Diff")]  # the footer keeps saying what enter does
 
     COMPONENT_CLASSES = DataTable.COMPONENT_CLASSES | {
         "candidate--good", "candidate--bad", "candidate--waiting", "candidate--plain"}
@@ -37,7 +71,7 @@ class CandidateTable(DataTable):
 
     def on_mount(self) -> None:
         for label, key, width in COLUMNS:
-            self.add_column(label, key=key, width=width)
+            self.add_column(label, key=key, width=self._title_width() if key == "title" else width)
         self._ready = True
         self.sync()
         self.select(self._selected())  # the selection as of now: events may have moved it since compose
@@ -51,11 +85,28 @@ class CandidateTable(DataTable):
             return "candidate--waiting"
         return "candidate--plain"
 
+    def _title_width(self) -> int:
+        """What is left for titles once the other columns (and their padding) have their width."""
+        others = sum(w for _, key, w in COLUMNS if key != "title") + 2 * self.cell_padding * len(COLUMNS)
+        return max(TITLE_MIN, (self.size.width or self.app.size.width) - others - 2)
+
+    def on_resize(self) -> None:
+        if not self._ready:
+            return
+        width = self._title_width()
+        column = self.columns.get("title")  # type: ignore[call-overload]
+        if column is not None and column.width != width:
+            column.width = width
+            self.sync(restyle=True)
+
     def _row(self, cand: CandidateView) -> tuple[Text, ...]:
-        state_style = self.get_component_rich_style(self._state_style(cand))
-        title = cand.title or (f"({cand.direction})" if cand.direction else "")
-        return (Text(cand.cid), Text(cand.agent), Text(title), Text(cand.state, style=state_style),
-                Text(cand.gate_marks), speedup_cell(cand.predicted), speedup_cell(cand.measured))
+        state_style = badge(self.get_component_rich_style(self._state_style(cand)))
+        title = cand.title or (f"no candidate: {cand.failure}" if cand.state == "agent failed" and cand.failure
+                               else f"({cand.direction})" if cand.direction else "")
+        agent_width = dict((k, w) for _, k, w in COLUMNS)["agent"]
+        return (Text(short_cid(cand.cid)), Text(fit(cand.agent, agent_width)), Text(fit(title, self._title_width())),
+                Text(state_label(cand.state), style=state_style), Text(cand.gate_marks), speedup_cell(cand.predicted),
+                speedup_cell(cand.measured))
 
     def sync(self, restyle: bool = False) -> None:
         """Add, update (cell by cell) and remove rows to match the state."""
@@ -130,6 +181,8 @@ class CandidatesPanel(Vertical):
         if not views:
             return
         view = views.first()
+        view.placeholder = ("select a candidate to see its proposal" if self.state.candidates else
+                            "no proposals yet: agents propose once the cost model has measured the incumbent")
         cand = self.state.candidates.get(self.selected_cid or "")
         if cand is None:
             view.show("")

@@ -13,7 +13,7 @@ from textual.app import ComposeResult
 from textual.containers import Container, Vertical
 from textual.reactive import reactive
 from textual.widget import Widget
-from textual.widgets import DataTable, TabbedContent, TabPane
+from textual.widgets import DataTable, Static, TabbedContent, TabPane, Tabs
 
 from app.screens.diff import DiffScreen
 from app.state import PANELS, Alert, DashboardState
@@ -28,6 +28,9 @@ DRAIN_INTERVAL = 0.15
 WIDE_MIN = (120, 35)
 TABS = (("tab-candidates", "Candidates"), ("tab-gaps", "Gaps"), ("tab-forcing", "Forcing"),
         ("tab-speedup", "Speedup"))
+PANEL_IDS = {"tab-candidates": "candidates-panel", "tab-gaps": "gaps-panel", "tab-forcing": "forcing-panel",
+             "tab-speedup": "speedup-panel"}
+FORCING_EMPTY = "no forcing result yet: each candidate's outputs are re-scored here once it passes its smoke run"
 
 
 class Panel(Vertical):
@@ -60,11 +63,12 @@ class Dashboard(Widget):
         self.set_reactive(Dashboard.wide, self._want_wide())
         yield StatusHeader(self.state, id="header")
         panels = {
-            "tab-candidates": Panel(CandidatesPanel(self.state, lambda: self.selected_cid), title="Candidates",
+            "tab-candidates": Panel(CandidatesPanel(self.state, lambda: self.selected_cid), title="Candidates · pred, meas: speedup vs the incumbent (meas: held-out)",
                                     id="candidates-panel", classes="panel"),
             "tab-gaps": Panel(GapBars(self.state, id="gaps"), title=lambda: gap_title(self.state.gaps),
                               id="gaps-panel", classes="panel"),
-            "tab-forcing": Panel(ForcingTable(self.state, id="forcing"), title="Token forcing",
+            "tab-forcing": Panel(ForcingTable(self.state, id="forcing"),
+                                 Static(FORCING_EMPTY, id="forcing-empty"), title="Token forcing · threshold: stock's own rate + 0.5 pp",
                                  id="forcing-panel", classes="panel"),
             "tab-speedup": Panel(SpeedupPlot(self.state, id="speedup"), title="Speedup over AR",
                                  id="speedup-panel", classes="panel"),
@@ -79,9 +83,30 @@ class Dashboard(Widget):
                     with TabPane(title, id=key):
                         yield panels[key]
         yield StatusLine(self.state, id="status")
+        self.call_after_refresh(self._focus_table)
+
+    def _focus_table(self) -> None:
+        """Arrow keys act on the candidates from the start (not on the tab strip)."""
+        focused = self.screen.focused
+        if focused is None or focused.parent is None or isinstance(focused, Tabs) or not focused.is_attached:
+            tables = self.query(CandidateTable)
+            if tables:
+                tables.first().focus()
+
+    def show_panel(self, index: int) -> None:
+        """Keys 1-4: bring a panel up (its tab when small) and focus what can be focused in it."""
+        key = TABS[index][0]
+        for tabs in self.query(TabbedContent):
+            tabs.active = key
+            self.active_tab = key
+        panel = self.query_one(f"#{PANEL_IDS[key]}")
+        focusable = [w for w in panel.query("*") if w.focusable]
+        if focusable:
+            focusable[0].focus()
 
     def on_mount(self) -> None:
         self.set_interval(DRAIN_INTERVAL, self.drain)
+        self.set_interval(1.0, self._tick)
         self.app.theme_changed_signal.subscribe(self, lambda _theme: self.refresh_panels(set(PANELS), True))
 
     def _want_wide(self) -> bool:
@@ -108,13 +133,19 @@ class Dashboard(Widget):
         events, self.pending = self.pending, []
         with self.app.batch_update():
             self.refresh_panels(self.state.apply_all(events))
-            if any(e.kind == "awaiting_decision" for e in events):
+            if any(e.kind in ("awaiting_decision", "decision") for e in events):
                 self._select_awaiting()
         self._notify(self.state.take_alerts())
 
+    def _tick(self) -> None:
+        """A live step's elapsed time and ETA move on between its progress events."""
+        if self.state.clock is not None and self.state.progress is not None:
+            for line in self.query(StatusLine):
+                line.sync()
+
     def _select_awaiting(self) -> None:
         """Put the cursor on the first candidate waiting for a decision, unless it already is on one,
-        so `a` and `r` act on what the loop is waiting for."""
+        so `a` and `r` act on what the loop is waiting for (after an approval or a rejection too)."""
         waiting = self.state.awaiting()
         current = self.state.candidates.get(self.current_cid or "")
         if waiting and (current is None or current.state != "awaiting"):
@@ -136,9 +167,11 @@ class Dashboard(Widget):
         self.feed(Event("error" if severity == "error" else "notice", {"message": message}))
 
     def _notify(self, alerts: list[Alert]) -> None:
+        """Toasts for warnings, errors and the run's end; notices only update the status line."""
         for alert in alerts:
-            self.app.notify(alert.message, severity=alert.severity,
-                            timeout=10 if alert.severity == "error" else 5)
+            if alert.toast:
+                self.app.notify(alert.message, severity=alert.severity,
+                                timeout=10 if alert.severity == "error" else 5)
 
     def refresh_panels(self, changed: set[str], restyle: bool = False) -> None:
         """Refresh the widgets whose panels changed (all of them after a theme change)."""
@@ -156,6 +189,8 @@ class Dashboard(Widget):
         if "forcing" in changed:
             for table in self.query(ForcingTable):
                 table.sync(restyle)
+            for note in self.query("#forcing-empty"):
+                note.display = not self.state.forcing
         if "speedup" in changed:
             for plot in self.query(SpeedupPlot):
                 plot.sync(restyle)

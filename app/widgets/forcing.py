@@ -8,6 +8,7 @@ from rich.text import Text
 from textual.widgets import DataTable
 
 from app.state import DashboardState, ForcingView
+from app.widgets.candidates import short_cid
 
 COLUMNS = ("cid", "tokens", "mismatches", "rate", "near-ties", "threshold", "result")
 
@@ -37,7 +38,7 @@ class ForcingTable(DataTable):
         verdict = Text("PASS" if f.passed else "FAIL",
                        style=self.get_component_rich_style("forcing--pass" if f.passed else "forcing--fail"))
         nums = (str(f.tokens), str(f.mismatches), percent(f.rate), str(f.near_ties), percent(f.threshold))
-        return (Text(f.cid), *(Text(n, justify="right") for n in nums), verdict)
+        return (Text(short_cid(f.cid)), *(Text(n, justify="right") for n in nums), verdict)
 
     def sync(self, restyle: bool = False) -> None:
         """Match the rows to the state's forcing results."""

@@ -8,6 +8,7 @@ from rich.text import Text
 from textual.widgets import Static
 
 from app.state import DashboardState, short_name
+from core.progress import describe
 
 SEVERITY_MARK = {"information": "•", "warning": "!", "error": "✗"}
 
@@ -45,7 +46,7 @@ class StatusHeader(Static):
                   (s.loop_state.replace("_", " ").upper() if alert else s.loop_state,
                    style("header--alert" if alert else "header--state"))]
         best = s.best_speedup
-        parts += [sep, (f"best {best:.2f}x AR" if best is not None else "best —", style("header--best"))]
+        parts += [sep, (f"best {best:.2f}x vs AR" if best is not None else "best —", style("header--best"))]
         if s.auto:
             parts += [sep, ("auto", style("header--dim"))]
         text = Text.assemble(*parts, no_wrap=True, overflow="ellipsis")
@@ -67,6 +68,13 @@ class StatusLine(Static):
         self.sync()
 
     def sync(self, restyle: bool = False) -> None:
+        step = self.state.current_progress()
+        if step is not None and self.state.quitting is None:
+            text = Text(f" ⏳ {self.state.loop_state}: {describe(step)}",
+                        style=self.get_component_rich_style("status--information"), no_wrap=True, overflow="ellipsis")
+            self.text = text.plain
+            self.update(text)
+            return
         alert = self.state.status
         if alert is None:
             self.text = ""

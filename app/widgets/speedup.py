@@ -28,6 +28,7 @@ def speedup_series(state: DashboardState) -> Series:
     return series
 
 
+CEILING_ON_SCALE = 2.0  # a ceiling further above the data than this is named in the title, not drawn
 STYLES = {"incumbent": ("braille", "green"), "stock": ("·", "orange"), "ceiling": ("=", "cyan")}
 
 
@@ -52,18 +53,29 @@ class SpeedupPlot(PlotextPlot):
         plt.clear_data()
         plt.xlabel("round")
         if not self.series:
-            plt.title("no incumbent yet")
+            plt.title("no incumbent yet: each finished round adds a point")
             self.refresh()
             return
-        plt.title("")
         mono = self.app.theme.endswith("-mono")
-        for name, (xs, ys) in self.series.items():
+        shown = {k: v for k, v in self.series.items() if k != "ceiling"}
+        data = [y for _, ys in shown.values() for y in ys]
+        low, top = min(data), max(data)
+        ceiling = self.series.get("ceiling")
+        on_scale = ceiling is not None and ceiling[1][0] <= top * CEILING_ON_SCALE
+        if on_scale:
+            shown["ceiling"] = ceiling
+            top = max(top, ceiling[1][0])
+        plt.title("" if ceiling is None or on_scale else
+                  f"ceiling {ceiling[1][0]:.1f}x vs AR: off this scale, {ceiling[1][0] / max(data):.0f}x the best")
+        for name, (xs, ys) in shown.items():
             marker, color = STYLES[name]
-            plt.plot(xs, ys, label=name, marker=marker, color="white" if mono else color)
+            label = f"{name} {ys[-1]:.2f}x" if name != "incumbent" else name
+            plt.plot(xs, ys, label=label, marker=marker, color="white" if mono else color)
         xs, ys = self.series["incumbent"]
         plt.scatter(xs, ys, marker="●", color="white" if mono else STYLES["incumbent"][1])
         rounds = sorted({int(x) for x in self.series["incumbent"][0]} | {0})
         plt.xticks(rounds)
-        top = max(max(ys) for _, ys in self.series.values())
-        plt.ylim(0, top * 1.15)
+        pad = max(0.05, (top - low) * 0.15)
+        # scaled to the data (the incumbent never sits on the floor), with headroom for the legend
+        plt.ylim(max(0.0, low - pad), top + 4 * pad)
         self.refresh()

@@ -33,6 +33,7 @@ class AgentContext:
     tuning_summary: dict[str, Any]
     seed: int = 0
     tools: Any = None
+    rejected: list[dict[str, Any]] = field(default_factory=list)  # this run's rejections, notes verbatim
 
 
 @dataclass
@@ -47,6 +48,7 @@ class Candidate:
     recipe: Recipe
     files: dict[str, str] = field(default_factory=dict)
     predicted_speedup: float | None = None
+    differs: str = ""  # how it differs from a rejected change it resembles (else it is not judged)
 
     def __post_init__(self) -> None:
         if self.kind not in CANDIDATE_KINDS:
@@ -59,6 +61,38 @@ class AgentFailure:
 
     agent: str
     reason: str
+
+
+def changed_fields(recipe: Recipe, base: Recipe) -> dict[str, dict[str, Any]]:
+    """The sections and fields `recipe` sets differently from `base`."""
+    old = base.to_dict()
+    out: dict[str, dict[str, Any]] = {}
+    for section, fields in recipe.to_dict().items():
+        if isinstance(fields, dict):
+            changed = {k: v for k, v in fields.items() if (old.get(section) or {}).get(k) != v}
+            if changed:
+                out[section] = changed
+    return out
+
+
+def rejection_of(recipe: Recipe, incumbent: Recipe, rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The rejection `recipe` repeats: one whose every changed field it changes to the same value."""
+    mine = changed_fields(recipe, incumbent)
+    for entry in rejected:
+        fragment = entry.get("fragment") or {}
+        if fragment and all(isinstance(f, dict) and f and all(mine.get(sec, {}).get(k, object()) == v
+                                                              for k, v in f.items())
+                            for sec, f in fragment.items()):
+            return entry
+    return None
+
+
+def rejection_line(entry: dict[str, Any]) -> str:
+    """One rejection as a person reads it: what, when, and the note verbatim."""
+    ev = entry.get("evidence") or {}
+    note = ev.get("note") or ""
+    return (f"{entry.get('mechanism', 'a change')} (rejected in round {ev.get('round', '?')}"
+            + (f": \"{note}\")" if note else ", no note)"))
 
 
 class Agent(Protocol):

@@ -16,7 +16,7 @@ from typing import Any, Callable
 import anthropic
 
 from core.agents.base import (
-    PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate,
+    PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate, rejection_line,
 )
 from core.agents.diffs import AllowList, DiffError, apply_edits, make_unified_diff, parse_agent_output
 from core.recipe import Recipe, RecipeError
@@ -30,6 +30,7 @@ Reply in exactly this shape:
 TITLE: <one line, at most 80 characters>
 RATIONALE: <a few sentences: which gap this closes and why it should be faster while staying lossless>
 PREDICTED_SPEEDUP: <your estimate of the speedup over the incumbent, a number such as 1.08>
+DIFFERS: <only if your change resembles one the person rejected: what differs from it, in one line>
 
 Then the edits, each introduced by a line `FILE: <path>` followed by a fenced block holding either
 SEARCH/REPLACE blocks or a unified diff:
@@ -88,6 +89,12 @@ def build_system_prefix(ctx: AgentContext, files: dict[str, str]) -> str:
         "Validated memory (mechanisms that won before, with evidence):\n"
         + json.dumps(ctx.memory, indent=1, sort_keys=True, default=str),
     ]
+    if ctx.rejected:
+        sections.append(
+            "Rejected by the person running this search (do not propose these again; a change that resembles "
+            "one must say what differs in its DIFFERS line, or it is not judged). Their notes, verbatim:\n"
+            + "\n".join(f"- {rejection_line(e)}; fields: {json.dumps(e.get('fragment'), sort_keys=True)}"
+                        for e in ctx.rejected))
     return redact_text("\n\n".join(sections))
 
 
@@ -233,5 +240,6 @@ class ClaudeAgent:
             recipe=recipe,
             files=redact(plugins),
             predicted_speedup=_speedup(text),
+            differs=redact_text(_field(text, "DIFFERS") or ""),
         )
 

@@ -12,7 +12,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate
+from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate, rejection_line, rejection_of
 from core.agents.diffs import make_unified_diff
 from core.deployment import Deployment
 from core.engine.tree import static_prefixes
@@ -131,6 +131,9 @@ class LocalAgent:
         """Propose the best option if it clears MIN_GAIN over the incumbent, else fail saying how close it got."""
         inc_toml = ctx.recipe.to_toml()
         options = [o for o in options if o.recipe.to_toml() != inc_toml]
+        for o in [o for o in options if rejection_of(o.recipe, ctx.recipe, ctx.rejected)]:
+            say(f"not proposing {o.label}: it repeats {rejection_line(rejection_of(o.recipe, ctx.recipe, ctx.rejected))}")
+            options.remove(o)
         if not options:
             return AgentFailure(self.name, f"no {what} differs from the incumbent")
         best = best_of(options, self.tie_seed(ctx))
@@ -139,7 +142,7 @@ class LocalAgent:
                                            f"{pct(best.predicted, base.predicted)})")
         speedup = best.predicted / base.predicted
         say(f"proposing {best.label}: {best.accepted:.2f} tokens/step, predicted {best.predicted:.0f} tok/s vs "
-            f"{base.predicted:.0f} (x{speedup:.3f})")
+            f"{base.predicted:.0f} ({speedup:.3f}x)")
         return self.candidate(ctx, best.recipe, best.label, rationale.format(best=best, base=base, speedup=speedup),
                               speedup, say)
 
@@ -177,7 +180,7 @@ class TreeShapeAgent(LocalAgent):
         return self.finish(ctx, base, options, f"tree within budget {max(BUDGETS)}", say,
                            "On the same drafter guesses, this shape locks in {best.accepted:.2f} tokens per verify "
                            "step vs {base.accepted:.2f} for the incumbent; with the measured verify cost curve the "
-                           "cost model predicts x{speedup:.3f}.")
+                           "cost model predicts {speedup:.3f}x.")
 
 
 class DraftLengthAgent(LocalAgent):
@@ -213,7 +216,7 @@ class DraftLengthAgent(LocalAgent):
             options += [o for o in lengths if o.predicted >= at.predicted * (1 + MIN_GAIN)]
         return self.finish(ctx, base, options, "draft length", say,
                            "Replayed acceptance flattens with depth while each extra level costs a drafter call and "
-                           "wider verification; {best.label} is where predicted tokens/s peaks (x{speedup:.3f}).")
+                           "wider verification; {best.label} is where predicted tokens/s peaks ({speedup:.3f}x).")
 
     @staticmethod
     def sweep(tools: Any, say: Stream, what: str, values: tuple[int, ...],
@@ -260,7 +263,7 @@ class DrafterChoiceAgent(LocalAgent):
             options.append(best)
         return self.finish(ctx, base, options, "other drafter", say,
                            "Replaying each drafter on the recorded outputs: {best.label} accepts {best.accepted:.2f} "
-                           "tokens/step; with its measured draft cost the cost model predicts x{speedup:.3f}.")
+                           "tokens/step; with its measured draft cost the cost model predicts {speedup:.3f}x.")
 
 
 class WeightFormatAgent(LocalAgent):
@@ -298,7 +301,7 @@ class WeightFormatAgent(LocalAgent):
         speedup = total / (total - saved) if total > saved else 1.0
         predicted = base_pred * speedup
         say(f"packed12 reads 12/16 of those bytes: verify {verify:.2f} -> {verify - saved:.2f} ms/step, predicted "
-            f"{predicted:.0f} tok/s ({pct(predicted, base_pred)}; x{1 / PACKED_BYTES:.2f} at most on the "
+            f"{predicted:.0f} tok/s ({pct(predicted, base_pred)}; {1 / PACKED_BYTES:.2f}x at most on the "
             "memory-bound part)")
         if speedup < 1 + MIN_GAIN:
             return AgentFailure(self.name, f"packed12 predicted {pct(predicted, base_pred)}: the verify step is not "
@@ -306,7 +309,7 @@ class WeightFormatAgent(LocalAgent):
         new = inc.replace(weights={"format": "packed12"})
         rationale = (f"Verification reads every target weight once per step; {bound:.2f} of {verify:.2f} ms is that "
                      f"read at the measured bandwidth. Packed12 is lossless (bit-exact decode) and reads 12/16 of "
-                     f"the bytes in the fused kernel: predicted x{speedup:.3f}.")
+                     f"the bytes in the fused kernel: predicted {speedup:.3f}x.")
         return self.candidate(ctx, new, "packed12 target weights (12/16 of the verify bytes)", rationale, speedup, say)
 
 
@@ -360,7 +363,7 @@ class RuntimeAgent(LocalAgent):
             options.append(option)
         rationale = ("Verification's few-row GEMMs run faster under {best.label} on this CPU (measured forward "
                      "curve); the weights are the same numbers, so only floating-point near-ties can move: "
-                     "predicted x{speedup:.3f}.")
+                     "predicted {speedup:.3f}x.")
         return self.finish(ctx, base, options, "linear backend", say, rationale)
 
 
@@ -403,7 +406,7 @@ class BatchingAgent(LocalAgent):
         return self.finish(ctx, base, options, "batching policy", say,
                            f"At batch {batch} per-row trees of {_nodes(inc)} nodes verify {tokens} tokens per step, "
                            f"{where} the knee of the verify cost curve ({knee} tokens); "
-                           "{best.label} spends exactly the flat part of the curve: predicted x{speedup:.3f}.")
+                           "{best.label} spends exactly the flat part of the curve: predicted {speedup:.3f}x.")
 
     @staticmethod
     def throughput(tools: Any, shape: Recipe, batch: int, accepted: float, say: Stream, label: str) -> float:
@@ -754,7 +757,8 @@ class MemoryAgent(LocalAgent):
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         here = _fingerprint(ctx.deployment)
-        found = applicable(ctx.memory, ctx.recipe)
+        found = [(e, r) for e, r in applicable(ctx.memory, ctx.recipe)
+                 if r is None or not rejection_of(r, ctx.recipe, ctx.rejected)]
         if not found:
             return AgentFailure(self.name, f"no remembered mechanism applies: {len(ctx.memory)} entries, all already "
                                            "in the incumbent or invalid for it")
@@ -771,7 +775,7 @@ class MemoryAgent(LocalAgent):
                 continue
             effect = effect_of(entry)
             where = entry.get("fingerprint", "unknown")
-            say(f"from memory: {entry.get('mechanism', 'unnamed')} (won x{effect or 0:.2f} on {where})"
+            say(f"from memory: {entry.get('mechanism', 'unnamed')} (won {effect or 0:.2f}x on {where})"
                 + ("" if where == here else f"; recorded on another deployment, this one is {here}"))
             if tools is not None:
                 pred = tools.predict(trial)
@@ -784,7 +788,7 @@ class MemoryAgent(LocalAgent):
         speedup = tools.predict(new) / base_pred if tools is not None and base_pred else (
             effect_of(used[0]) if used[0].get("fingerprint") == here else None)
         names = " + ".join(str(e.get("mechanism", "unnamed")) for e in used)
-        rationale = "; ".join(f"{e.get('mechanism')}: {e.get('description', '')} (won x{effect_of(e) or 0:.2f} on "
+        rationale = "; ".join(f"{e.get('mechanism')}: {e.get('description', '')} (won {effect_of(e) or 0:.2f}x on "
                               f"{e.get('fingerprint', 'unknown')})" for e in used)
         files = remembered_plugins(used, ctx.workspace)
         diff = "".join(make_unified_diff("", text, path) for path, text in files.items())

@@ -17,6 +17,7 @@ from functools import partial
 
 import torch
 
+from core import progress
 from core.engine import Engine, StepStats
 from core.engine.config import ModelLoadError
 from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
@@ -148,16 +149,18 @@ def timed_run(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], l
     spec = recipe is not None
     engine.generate([prompts[0]], [min(limits[0], 8)], recipe, [ids[0]], speculative=spec)
     best = None
-    for _ in range(max(1, passes)):
-        run = RunStats([], [], [], [])
-        for prompt, limit, rid in zip(prompts, limits, ids):
-            result = engine.generate([prompt], [limit], recipe, [rid], speculative=spec)
-            run.tokens.append(result.tokens[0])
-            run.steps.extend(result.steps)
-            run.seconds.append(result.seconds)
-            run.accepted.append([a for s in result.steps for a in s.accepted])
-        if best is None or sum(run.seconds) < sum(best.seconds):
-            best = run
+    with progress.step("timing requests", max(1, passes) * len(prompts)):
+        for _ in range(max(1, passes)):
+            run = RunStats([], [], [], [])
+            for prompt, limit, rid in zip(prompts, limits, ids):
+                result = engine.generate([prompt], [limit], recipe, [rid], speculative=spec)
+                run.tokens.append(result.tokens[0])
+                run.steps.extend(result.steps)
+                run.seconds.append(result.seconds)
+                run.accepted.append([a for s in result.steps for a in s.accepted])
+                progress.advance()
+            if best is None or sum(run.seconds) < sum(best.seconds):
+                best = run
     return best
 
 

@@ -21,6 +21,7 @@ per token or a fused/compiled forward can. They add up to measured - ceiling exa
 
 from __future__ import annotations
 
+from core import progress
 from core.costmodel import replay as rp
 from core.costmodel.predict import predict, predict_detail
 from core.costmodel.probe import probe
@@ -84,11 +85,14 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     timed over `passes` passes over the requests and the fastest pass is broken down.
     """
     hw = probe_result or probe(str(engine.device), dtype_name(engine))
-    run = timed_run(engine, recipe, prompts, limits, request_ids, passes)
-    prof = profile(engine, recipe, prompts, limits, run, request_ids, repeats)
+    with progress.step("cost model: timing the incumbent"):
+        run = timed_run(engine, recipe, prompts, limits, request_ids, passes)
+    with progress.step("cost model: profiling step costs"):
+        prof = profile(engine, recipe, prompts, limits, run, request_ids, repeats)
     target, drafter = engine.models_for(recipe)
     extra = max(max_depth, *(_depth(r) for r in (recipe, *candidates))) + 2
-    traces = rp.record(target, prompts, limits, extra, rp.choice_rule(recipe), request_ids)
+    with progress.step("cost model: replaying acceptance"):
+        traces = rp.record(target, prompts, limits, extra, rp.choice_rule(recipe), request_ids)
     made: dict = {}
     own = rp.replay_for(engine, recipe, traces, made)
     search = rp.replay_for(engine, recipe.replace(draft={"method": "model"}), traces, made) if drafter else own

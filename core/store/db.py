@@ -8,6 +8,8 @@ whole or not at all. Every string written passes through `redact`, so an API key
 from __future__ import annotations
 
 import dataclasses
+import os
+import socket
 import threading
 import time
 from contextlib import contextmanager
@@ -22,7 +24,7 @@ from sqlmodel import Session, select
 
 from core import events as ev
 from core.store import tables as t
-from core.store.engine import StoreError, inspect_file, make_engines
+from core.store.engine import StoreError, inspect_file, make_engines, make_read_only_engine
 from core.store.migrations import SCHEMA_VERSION, upgrade
 from core.store.redact import redact
 
@@ -30,6 +32,39 @@ MEMORY_KEYS = ("mechanism", "description", "fragment", "fingerprint", "effect", 
 DECISIONS = ("approve", "reject")
 DECIDERS = ("auto", "user")
 SPLITS = ("tuning", "heldout")
+RUN_STATUSES = ("running", "finished", "stopped", "failed", "interrupted")
+RESUMABLE = ("stopped", "interrupted")
+
+
+def this_process() -> dict:
+    """What identifies the process that owns a running run (checked by whoever finds it later)."""
+    return {"pid": os.getpid(), "host": socket.gethostname()}
+
+
+def process_gone(process: dict | None) -> bool:
+    """True when the process a `running` run names has ended (only decidable on its own host)."""
+    if not isinstance(process, dict) or process.get("host") != socket.gethostname():
+        return False
+    try:
+        os.kill(int(process["pid"]), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, KeyError, TypeError, ValueError, OverflowError):
+        return False
+    return _zombie(int(process["pid"]))
+
+
+def _zombie(pid: int) -> bool:
+    """A process that exited but was not yet reaped still answers kill(0); its state says it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def interrupted_reason(process: dict | None) -> str:
+    pid = process.get("pid") if isinstance(process, dict) else "?"
+    return f"its process (pid {pid}) ended without closing the run"
 
 
 def _scrub_session(session: Session, _context: object, _instances: object) -> None:
@@ -45,13 +80,22 @@ def _scrub_session(session: Session, _context: object, _instances: object) -> No
 class Store:
     """SQLite-backed persistence for runs; see the module docstring for threading and transactions."""
 
-    def __init__(self, path: str | Path) -> None:
+    def __init__(self, path: str | Path, read_only: bool = False) -> None:
         self.path = Path(path)
+        self.read_only = read_only
         version = inspect_file(self.path)
-        self._reader, self._writer = make_engines(self.path)
         self._sessions = sessionmaker(class_=Session, expire_on_commit=False)
         sa_event.listen(self._sessions, "before_flush", _scrub_session)
         self._local = threading.local()
+        if read_only:
+            if version is None:
+                raise StoreError(f"{self.path} holds no runs yet; run `specpilot run` first or pass --db PATH")
+            if version < SCHEMA_VERSION:
+                raise StoreError(f"{self.path} has store schema version {version}; open it once with `specpilot "
+                                 "run` (which upgrades it) before reading it read-only")
+            self._reader = self._writer = make_read_only_engine(self.path)
+            return
+        self._reader, self._writer = make_engines(self.path)
         try:
             with self._writer.begin() as conn:
                 if version is not None and version < SCHEMA_VERSION:
@@ -68,6 +112,7 @@ class Store:
         except StoreError:
             self._reader.dispose()
             raise
+        self.close_orphans()
 
     def _upgrade(self, conn: Any, version: int) -> None:
         try:
@@ -135,32 +180,90 @@ class Store:
     # --- runs and rounds ------------------------------------------------------------------------
 
     def create_run(self, deployment: dict, config: dict) -> int:
-        """Start a run record; returns its id (the `run` of its events)."""
+        """Start a run record owned by this process; returns its id (the `run` of its events)."""
         with self._session(write=True) as s:
-            return self._add(s, t.Run(deployment=deployment, config=config))
+            return self._add(s, t.Run(deployment=deployment, config={**config, "process": this_process()}))
 
     def finish_run(self, run_id: int, status: str, summary: dict) -> None:
+        """Close a run in one of RUN_STATUSES (a failed or interrupted one says why in summary['reason'])."""
+        if status not in RUN_STATUSES:
+            raise StoreError(f"unknown run status {status!r}; statuses: {', '.join(RUN_STATUSES)}")
         with self._session(write=True) as s:
             run = self._row(s, t.Run, run_id, "run")
             run.status, run.summary, run.finished_at = status, dict(summary), time.time()
             s.add(run)
+
+    def reopen_run(self, run_id: int) -> None:
+        """Take a stopped or interrupted run over (resume): running again, owned by this process, its
+        half-done rounds (and their candidates) discarded so only finished rounds remain."""
+        with self._session(write=True) as s:
+            run = self._row(s, t.Run, run_id, "run")
+            status = self._status(run)
+            if status not in RESUMABLE:
+                raise StoreError(f"run {run_id} is {status}; only a stopped or interrupted run can be resumed")
+            for rnd in s.exec(select(t.Round).where(t.Round.run_id == run_id, t.Round.finished_at.is_(None))).all():
+                self._delete_round(s, rnd)
+            run.status, run.finished_at = "running", None
+            run.config = {**run.config, "process": this_process()}
+            s.add(run)
+
+    def delete_run(self, run_id: int) -> None:
+        """Remove a run that never started a round (refused before it began), events and all."""
+        with self._session(write=True) as s:
+            run = self._row(s, t.Run, run_id, "run")
+            if s.exec(select(t.Round.id).where(t.Round.run_id == run_id)).first() is not None:
+                raise StoreError(f"run {run_id} has rounds; it is closed, not deleted")
+            for row in s.exec(select(t.Event).where(t.Event.run_id == run_id)).all():
+                s.delete(row)
+            s.delete(run)
+
+    def _delete_round(self, s: Session, rnd: t.Round) -> None:
+        for cand in s.exec(select(t.Candidate).where(t.Candidate.round_id == rnd.id)).all():
+            for model in (t.Evaluation, t.ForcingResult, t.Decision):
+                for row in s.exec(select(model).where(model.candidate_id == cand.id)).all():
+                    s.delete(row)
+            s.flush()
+            s.delete(cand)
+        s.flush()
+        s.delete(rnd)
+        s.flush()
+
+    @staticmethod
+    def _status(run: t.Run) -> str:
+        """The run's status, `interrupted` for a `running` one whose process is gone."""
+        if run.status == "running" and process_gone((run.config or {}).get("process")):
+            return "interrupted"
+        return run.status
+
+    def close_orphans(self) -> list[int]:
+        """Mark `running` runs whose process is gone as interrupted (the next writer closes them)."""
+        closed = []
+        with self._session(write=True) as s:
+            for run in s.exec(select(t.Run).where(t.Run.status == "running")).all():
+                if self._status(run) == "interrupted":
+                    run.status, run.finished_at = "interrupted", time.time()
+                    run.summary = {**(run.summary or {}), "reason": interrupted_reason(run.config.get("process"))}
+                    s.add(run)
+                    closed.append(run.id)
+        return closed
 
     def run(self, run_id: int) -> dict | None:
         """One run as a dict (like list_runs' items), or None."""
         return next((r for r in self.list_runs() if r["id"] == run_id), None)
 
     def list_runs(self) -> list[dict]:
-        """Every run, newest first, with its round count and best held-out speedup over AR."""
+        """Every run, newest first, with its finished-round count and best held-out speedup over AR; a
+        `running` run whose process is gone reads as interrupted."""
         with self._session() as s:
             runs = s.exec(select(t.Run).order_by(t.Run.id.desc())).all()
-            rounds = s.exec(select(t.Round.run_id, t.Round.incumbent)).all()
+            rounds = s.exec(select(t.Round.run_id, t.Round.incumbent).where(t.Round.finished_at.is_not(None))).all()
         out = []
         for run in runs:
             mine = [inc for rid, inc in rounds if rid == run.id]
             speedups = [inc["heldout_speedup_vs_ar"] for inc in mine
                         if isinstance(inc.get("heldout_speedup_vs_ar"), (int, float))]
             out.append({"id": run.id, "started_at": run.started_at, "finished_at": run.finished_at,
-                        "status": run.status, "deployment": run.deployment, "config": run.config,
+                        "status": self._status(run), "deployment": run.deployment, "config": run.config,
                         "summary": run.summary, "rounds": len(mine),
                         "best_heldout_speedup": max(speedups) if speedups else None})
         return out
@@ -177,11 +280,15 @@ class Store:
             s.add(rnd)
 
     def list_rounds(self, run_id: int) -> list[dict]:
-        """A run's rounds in index order, each with its candidate count."""
+        """A run's rounds in index order, each with its candidate count and how many agents proposed nothing
+        (their failures are events, not candidates)."""
         with self._session() as s:
             rounds = s.exec(select(t.Round).where(t.Round.run_id == run_id).order_by(t.Round.index)).all()
             counts = dict(s.exec(select(t.Candidate.round_id, func.count()).group_by(t.Candidate.round_id)).all())
-        return [{**r.model_dump(), "candidates": counts.get(r.id, 0)} for r in rounds]
+            failed = dict(s.exec(select(t.Event.round, func.count()).where(
+                t.Event.run_id == run_id, t.Event.kind == "candidate_failed").group_by(t.Event.round)).all())
+        return [{**r.model_dump(), "candidates": counts.get(r.id, 0), "failed_proposals": failed.get(r.index, 0)}
+                for r in rounds]
 
     # --- events ---------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def inspect_file(path: Path) -> int | None:
             raise StoreError(f"{path} is not an SQLite database (corrupt or another kind of file); "
                              "move it aside or pass another --db path")
     try:
-        conn = sqlite3.connect(f"file:{quote(str(path.resolve()))}?mode=ro", uri=True, timeout=BUSY_TIMEOUT_MS / 1000)
+        conn = _read_only_connect(path)
         try:
             tables = {row[0] for row in conn.execute(
                 "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%'")}
@@ -80,6 +80,32 @@ def _on_begin(conn: object) -> None:
     # lock upgrade; readers start a plain snapshot and never block the writer under WAL.
     write = conn.get_execution_options().get("store_write", False)  # type: ignore[attr-defined]
     conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")  # type: ignore[attr-defined]
+
+
+def _read_only_connect(path: Path) -> sqlite3.Connection:
+    """A connection that can never write: mode=ro, or immutable=1 where even the WAL index cannot be
+    created (a read-only filesystem), so `runs` and `show` work on a store nobody may change."""
+    base = f"file:{quote(str(path.resolve()))}"
+    conn = sqlite3.connect(f"{base}?mode=ro", uri=True, check_same_thread=False, timeout=BUSY_TIMEOUT_MS / 1000)
+    try:
+        conn.execute("SELECT count(*) FROM sqlite_master").fetchone()
+        return conn
+    except sqlite3.OperationalError:
+        conn.close()
+    return sqlite3.connect(f"{base}?immutable=1", uri=True, check_same_thread=False)
+
+
+def _on_connect_read_only(dbapi_conn: sqlite3.Connection, _record: object) -> None:
+    dbapi_conn.isolation_level = None
+    dbapi_conn.execute(f"PRAGMA busy_timeout={BUSY_TIMEOUT_MS}")
+
+
+def make_read_only_engine(path: Path) -> Engine:
+    """An engine for reading an existing store without writing a byte (no schema, no WAL switch)."""
+    engine = create_engine("sqlite://", creator=lambda: _read_only_connect(path))
+    event.listen(engine, "connect", _on_connect_read_only)
+    event.listen(engine, "begin", _on_begin)
+    return engine
 
 
 def make_engines(path: Path) -> tuple[Engine, Engine]:
