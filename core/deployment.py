@@ -14,14 +14,10 @@ DEMO_WORKLOAD = ROOT / "workloads" / "code.jsonl"
 
 
 def default_dtype(device: str) -> str:
-    """bfloat16 where the hardware has it (CUDA, CPUs with AVX-512 BF16 / AMX); float32 on other CPUs,
-    where bfloat16 matmuls are emulated and slower than float32."""
-    if device.startswith("cuda"):
-        return "bfloat16"
-    import torch
-
-    capability = torch.backends.cpu.get_cpu_capability()
-    return "bfloat16" if "AVX512" in capability or "AMX" in capability else "float32"
+    """bfloat16 on CUDA; float32 on a CPU, even one with AVX-512 BF16: the forcing reference and the fused
+    layer are float32, and a bfloat16 run differs from the float32 reference at far more than near-ties
+    (measured on this kind of machine: 4% of held-out tokens on the mini deployment). --dtype overrides."""
+    return "bfloat16" if device.startswith("cuda") else "float32"
 
 
 @dataclass
