@@ -407,7 +407,7 @@ class Loop:
     def _run_agents(self, index: int, agents: list, dirs: list[str], offset: int, incumbent: Recipe,
                     inc_ws: Path | None, report: dict, memory: list[dict]) -> list[tuple[str, Any]]:
         """Run `agents` in parallel threads; candidate ids continue after `offset`."""
-        from core.agents.base import AgentContext
+        from core.agents.base import AgentContext, AgentFailure
 
         results: list[tuple[str, Any]] = [None] * len(agents)
 

@@ -3,7 +3,6 @@ lossless against transformers in float32 for AR, n-gram, early exit and a dynami
 takes the loop's stored incumbent; a backend that would not fit is refused before it loads."""
 
 import json
-import os
 import subprocess
 import sys
 
