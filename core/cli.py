@@ -172,7 +172,9 @@ def cmd_runs(args: argparse.Namespace) -> int:
     for r in runs:
         best = f"{r['best_heldout_speedup']:.2f}x" if r.get("best_heldout_speedup") else "-"
         dep = r.get("deployment") or {}
-        name = f"{Path(dep.get('target', '?')).name} + {Path(dep.get('drafter') or 'none').name}"
+        target = dep.get("target_source") or dep.get("target", "?")
+        drafter = (dep.get("drafter_source") or dep.get("drafter")) if dep.get("drafter") else "none"
+        name = f"{Path(target).name} + {Path(drafter).name}"
         print(f"{r['id']:>4}  {r['status']:<12}{r['rounds']:>7}{best:>8}  {_when(r['started_at']):<20} {name}")
     return 0
 

@@ -129,7 +129,7 @@ def test_a_round_with_no_candidate_says_why_and_ends_the_run(mini, tmp_path, cap
 
 
 def test_unknown_local_agent_is_a_one_line_error(mini, tmp_path, capsys):
-    argv = ["run", "--local-agents", "oracle", "--db", str(tmp_path / "s.db"), "--headless"]
+    argv = ["run", "--local-agents", "oracle", "--db", str(tmp_path / "s.db"), "--headless", "--auto"]
     assert main(argv) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--local-agents: unknown agent 'oracle'; known: " in err[0] and "adaptive-length" in err[0]

@@ -313,6 +313,14 @@ class WeightFormatAgent(LocalAgent):
         return self.candidate(ctx, new, "packed12 target weights (12/16 of the verify bytes)", rationale, speedup, say)
 
 
+    @staticmethod
+    def fits_report(report: dict[str, Any] | None) -> bool:
+        """packed12 pays only with the fused CUDA kernel; gguf wherever the profile measured the checkpoint's
+        own blocks (a GGUF checkpoint, on any device)."""
+        device = str(((report or {}).get("probe") or {}).get("device", "cpu"))
+        curves = ((report or {}).get("profile") or {}).get("backend_curves") or {}
+        return device.startswith("cuda") or "gguf" in curves
+
     def gguf(self, ctx: AgentContext, tools: Any, say: Stream, curves: dict) -> Candidate | AgentFailure:
         """Propose gguf weights for target and drafter when the measured curves predict a gain."""
         inc = ctx.recipe
@@ -823,7 +831,6 @@ def _fingerprint(deployment: dict[str, Any]) -> str | None:
         return None
 
 
-WeightFormatAgent.cuda_only = True
 RuntimeAgent.cpu_only = True
 BatchingAgent.needs_batch = True
 

@@ -95,6 +95,8 @@ def _fits(cls: type[LocalAgent], report: dict[str, Any] | None) -> bool:
     """Whether an agent's mechanism can apply here: CUDA-only ones wait on a CPU (CPU-only ones on a GPU),
     batching at batch 1."""
     device = str(((report or {}).get("probe") or {}).get("device", "cpu"))
+    if hasattr(cls, "fits_report"):
+        return cls.fits_report(report)
     if getattr(cls, "cuda_only", False) and not device.startswith("cuda"):
         return False
     if getattr(cls, "cpu_only", False) and device.startswith("cuda"):
