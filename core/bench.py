@@ -94,7 +94,7 @@ class HFSystems:
 
 def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_requests: int | None = None,
         max_new_tokens: int | None = None, repeats: int = 3, hf: bool = True, progress: bool = True,
-        engine: Engine | None = None) -> dict:
+        engine: Engine | None = None, hf_systems: tuple[str, ...] = HF_SYSTEMS) -> dict:
     """Benchmark every system on the same requests; returns the JSON-ready summary."""
     from transformers import AutoTokenizer
 
@@ -106,13 +106,17 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
     engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
     runners: dict[str, Callable[[Request], tuple[list[int], float, list[int]]]] = {}
     notes: list[str] = []
-    if hf:
-        hf_systems = HFSystems(deployment)
-        names = [n for n in HF_SYSTEMS if not n.startswith("hf-assisted") or hf_systems.drafter is not None]
-        if hf_systems.drafter is None:
+    unknown = [n for n in hf_systems if n not in HF_SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown transformers system {unknown[0]!r}; known: {', '.join(HF_SYSTEMS)}")
+    if hf and hf_systems:
+        models = HFSystems(deployment)
+        names = [n for n in HF_SYSTEMS
+                 if n in hf_systems and (models.drafter is not None or not n.startswith("hf-assisted"))]
+        if models.drafter is None:
             notes.append("hf-assisted skipped: the deployment has no drafter model (--drafter none)")
         for name in names:
-            runners[name] = _hf_runner(hf_systems, name, prompts, limits, deployment.device)
+            runners[name] = _hf_runner(models, name, prompts, limits, deployment.device)
     runners["ar"] = _our_runner(engine, None, prompts, limits)
     for recipe in recipes:  # AR on a recipe's own weight format too ("ar+gguf"): what the format alone buys
         fmt = recipe.weights.format

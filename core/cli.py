@@ -97,7 +97,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                               args.max_requests, args.max_new_tokens, args.repeats, progress=not args.quiet)
     else:
         summary = bench.run(deployment, recipes, args.split, args.max_requests, args.max_new_tokens, args.repeats,
-                            hf=not args.no_hf, progress=not args.quiet)
+                            hf=not args.no_hf, progress=not args.quiet,
+                            hf_systems=tuple(n.strip() for n in args.hf.split(",") if n.strip()))
     print(json.dumps(summary, indent=2) if args.json else bench.table(summary))
     return 0
 
@@ -248,6 +249,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8,16,32: batched AR vs recipes")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument("--hf", default="hf-ar,hf-assisted,hf-assisted-tuned,hf-lookup",
+                   help="which transformers baselines to run (comma-separated)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")
     b.add_argument("--json", action="store_true")
     b.set_defaults(func=cmd_bench)
