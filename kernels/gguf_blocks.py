@@ -12,11 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -24,9 +20,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels import cache_dir
+from kernels.build import compiled
 from kernels.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, dequantize, qtype_id, row_bytes
-from kernels.skinny import SkinnyUnavailable, _compiler, cpu_supports_avx2_fma
+from kernels.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
@@ -40,37 +36,13 @@ def library() -> ctypes.CDLL:
     """The compiled kernel, building it on first use; SkinnyUnavailable says why it cannot run here."""
     if not cpu_supports_avx2_fma():
         raise SkinnyUnavailable("this CPU has no AVX2+FMA")
-    cc = _compiler()
-    if cc is None:
-        raise SkinnyUnavailable("no C compiler found (set CC or install gcc)")
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"gguf_blocks-{digest}.so"
-    if not target.exists():
-        _build(cc, target)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError:  # a damaged cached build: build it again, once
-        _build(cc, target)
-        lib = ctypes.CDLL(str(target))
+    lib = compiled("gguf_blocks", (SOURCE,), FLAGS, ("-lm",))
     ptr, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.gguf_matmul.argtypes = [ptr, n, n, ptr, n, n, n, i, ptr, n, i]
     lib.gguf_matmul.restype = i
     lib.gguf_dequant_rows.argtypes = [ptr, n, i, n, ptr, n, ptr]
     lib.gguf_dequant_rows.restype = None
     return lib
-
-
-def _build(cc: str, target: Path) -> None:
-    """Compile to `target` through a private temporary name (concurrent builders never see a partial file)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        first = (done.stderr.strip().splitlines() or ["no output"])[0]
-        raise SkinnyUnavailable(f"{cc} failed to build {SOURCE.name}: {first}")
-    os.replace(tmp, target)
 
 
 def available() -> bool:

@@ -12,27 +12,21 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from kernels import cache_dir
+from kernels.build import KernelUnavailable, compiled
 
 SOURCES = (Path(__file__).with_name("skinny.c"), Path(__file__).with_name("layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
 
-class SkinnyUnavailable(RuntimeError):
-    """The kernel cannot run here (no AVX2/FMA, no C compiler, or the build failed)."""
+SkinnyUnavailable = KernelUnavailable  # the name the engine catches: a CPU kernel that cannot run here
 
 
 def cpu_supports_avx2_fma() -> bool:
@@ -43,53 +37,17 @@ def cpu_supports_avx2_fma() -> bool:
     return "avx2" in flags and "fma" in flags
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC"), "cc", "gcc", "clang"):
-        if name and shutil.which(name):
-            return name
-    return None
-
-
 @functools.lru_cache(maxsize=1)
 def library() -> ctypes.CDLL:
     """The compiled kernel, building it on first use; SkinnyUnavailable says why it cannot run here."""
     if not cpu_supports_avx2_fma():
         raise SkinnyUnavailable("this CPU has no AVX2+FMA")
-    cc = _compiler()
-    if cc is None:
-        raise SkinnyUnavailable("no C compiler found (set CC or install gcc)")
-    source = b"".join(path.read_bytes() for path in SOURCES)
-    digest = hashlib.sha256(source + " ".join(FLAGS + LIBS).encode()).hexdigest()[:16]
-    target = cache_dir() / "kernels" / f"skinny-{digest}.so"
-    if not target.exists():
-        _build(cc, target)
-    try:
-        lib = ctypes.CDLL(str(target))
-    except OSError:  # a damaged cached build: build it again, once
-        _build(cc, target)
-        try:
-            lib = ctypes.CDLL(str(target))
-        except OSError as e:
-            raise SkinnyUnavailable(f"the built {target.name} does not load: {e}") from None
+    lib = compiled("skinny", SOURCES, FLAGS, LIBS)
     ptr, n = ctypes.c_void_p, ctypes.c_long
     lib.skinny_pack.argtypes = [ptr, ptr, n, n, n, ctypes.c_int]
     lib.skinny_gemm.argtypes = [ptr, ptr, ptr, ptr, n, n, n, ctypes.c_int]
     lib.fused_layer.argtypes = [ptr, ptr, ptr, ptr, ptr]
     return lib
-
-
-def _build(cc: str, target: Path) -> None:
-    """Compile the C sources to `target` through a private temporary name (concurrent builders never see a
-    half-written library)."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), *LIBS], capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        first = (done.stderr.strip().splitlines() or ["no output"])[0]
-        raise SkinnyUnavailable(f"{cc} failed to build {' and '.join(p.name for p in SOURCES)}: {first}")
-    os.replace(tmp, target)
 
 
 def available() -> bool:
