@@ -29,7 +29,7 @@ case "$mode" in
     target=$(printf '%s' "$paths" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["target"])')
     drafter=$(printf '%s' "$paths" | .venv/bin/python -c 'import json,sys; print(json.load(sys.stdin)["drafter"])')
     exec .venv/bin/specpilot run --target "$target" --drafter "$drafter" --workload workloads/coding_chat.jsonl \
-      --rounds 3 --agents local:4 --auto --headless --max-requests 6 --max-new-tokens 128 "$@"
+      --rounds 3 --agents local:3 --auto --headless --max-requests 2 --max-new-tokens 48 --time-budget 40 "$@"
     ;;
   *)
     echo "usage: bash scripts/quickstart.sh demo|test|real [extra options]" >&2
