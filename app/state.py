@@ -122,6 +122,13 @@ def short_name(path: Any) -> str:
     return PurePath(text).name if text else "—"
 
 
+def model_names(dep: dict) -> str:
+    """'target → drafter' for a stored deployment, by the files a user named (a GGUF's name, not its cache)."""
+    target = dep.get("target_source") or dep.get("target")
+    drafter = (dep.get("drafter_source") or dep.get("drafter")) if dep.get("drafter") else None
+    return f"{short_name(target)} → {short_name(drafter)}"
+
+
 def _num(value: Any) -> float | None:
     try:
         return None if value is None else float(value)

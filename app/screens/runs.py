@@ -12,7 +12,7 @@ from textual.widgets import DataTable, Footer, Static
 
 from app.bridge import StoreLike, one_line
 from app.screens.replay import ReplayScreen
-from app.state import short_name
+from app.state import model_names
 
 RUN_COLUMNS = ("run", "started", "status", "deployment", "rounds", "best")
 
@@ -86,7 +86,7 @@ class RunsScreen(Screen[None]):
         for run in runs:
             dep = run.get("deployment") or {}
             table.add_row(str(run.get("id")), fmt_time(run.get("started_at")), str(run.get("status", "")),
-                          f"{short_name(dep.get('target'))} → {short_name(dep.get('drafter'))}",
+                          model_names(dep),
                           str(run.get("rounds", "")), fmt_speedup(run.get("best_heldout_speedup")),
                           key=str(run.get("id")))
         if not runs:

@@ -7,7 +7,7 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from app.state import DashboardState, short_name
+from app.state import DashboardState, model_names
 from core.progress import describe
 
 SEVERITY_MARK = {"information": "•", "warning": "!", "error": "✗"}
@@ -34,7 +34,7 @@ class StatusHeader(Static):
         style = self.get_component_rich_style
         sep = (" │ ", style("header--dim"))
         dep = s.deployment
-        deployment = f"{short_name(dep.get('target'))} → {short_name(dep.get('drafter'))}" if dep else "no run"
+        deployment = model_names(dep) if dep else "no run"
         alert = s.loop_state in ("paused", "failed", "awaiting_approval")
         parts: list[tuple[str, object]] = [(" ", "")]
         if self.size.width >= 100 or not self.size.width:
