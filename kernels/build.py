@@ -60,3 +60,12 @@ def _build(cc: str, target: Path, sources: tuple[Path, ...], flags: tuple[str, .
         first = (done.stderr.strip().splitlines() or ["no output"])[0]
         raise KernelUnavailable(f"{cc} failed to build {' and '.join(p.name for p in sources)}: {first}")
     os.replace(tmp, target)
+
+
+def loads(library) -> bool:
+    """Whether a kernel's `library()` builds and loads here."""
+    try:
+        library()
+    except KernelUnavailable:
+        return False
+    return True

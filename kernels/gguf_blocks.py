@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.build import compiled
+from kernels.build import compiled, loads
 from kernels.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, dequantize, qtype_id, row_bytes
 from kernels.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 
@@ -47,11 +47,7 @@ def library() -> ctypes.CDLL:
 
 def available() -> bool:
     """Whether the kernel builds and loads here."""
-    try:
-        library()
-    except SkinnyUnavailable:
-        return False
-    return True
+    return loads(library)
 
 
 class GGUFMatrix:

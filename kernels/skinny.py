@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.build import KernelUnavailable, compiled
+from kernels.build import KernelUnavailable, compiled, loads
 
 SOURCES = (Path(__file__).with_name("skinny.c"), Path(__file__).with_name("layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
@@ -52,11 +52,7 @@ def library() -> ctypes.CDLL:
 
 def available() -> bool:
     """Whether the kernel builds and loads here."""
-    try:
-        library()
-    except SkinnyUnavailable:
-        return False
-    return True
+    return loads(library)
 
 
 def bfloat16_exact(weight: torch.Tensor) -> bool:

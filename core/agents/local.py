@@ -146,6 +146,15 @@ class LocalAgent:
         return self.candidate(ctx, best.recipe, best.label, rationale.format(best=best, base=base, speedup=speedup),
                               speedup, say)
 
+    def plugin_candidate(self, inc: Recipe, new: Recipe, name: str, source: str, title: str, rationale: str,
+                         speedup: float, say: Stream) -> Candidate:
+        """A candidate that adds workspace plugin `plugins/<name>.py` and the recipe change selecting it."""
+        path = f"plugins/{name}.py"
+        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
+        say.part(diff)
+        return Candidate(agent=self.name, title=title, rationale=rationale, kind="recipe+plugin", diff=diff,
+                         recipe=new, files={path: source}, predicted_speedup=speedup)
+
     def candidate(self, ctx: AgentContext, new: Recipe, title: str, rationale: str, speedup: float | None,
                   say: Stream) -> Candidate:
         new.validate()
@@ -520,15 +529,11 @@ class AdaptiveLengthAgent(LocalAgent):
         source = ADAPTIVE_TEMPLATE.format(window=w, margin=m, name=name)
         new = inc.replace(draft={"length": f"plugin:{name}"}, tree={"depth": top}).validate()
         speedup = r / base
-        path = f"plugins/{name}.py"
-        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
-        say.part(diff)
         rationale = (f"Simulated on the replayed acceptance with the measured step cost per depth, drafting the mean "
                      f"of the last {w} step(s)' accepted tokens + {m} (at most {top}) gives {pct(r, base)} over "
                      f"chain {inc.tree.depth} and {pct(r, fixed_rate)} over the best fixed depth {best_fixed}.")
-        return Candidate(agent=self.name, title=f"Adaptive draft length plugin (window {w}, margin {m}, depth {top})",
-                         rationale=rationale, kind="recipe+plugin", diff=diff, recipe=new, files={path: source},
-                         predicted_speedup=speedup)
+        return self.plugin_candidate(inc, new, name, source, f"Adaptive draft length plugin (window {w}, margin {m}, "
+                                     f"depth {top})", rationale, speedup, say)
 
 
 HYBRID_TEMPLATE = '''"""Two-level drafting, written by the hybrid-drafter agent and fitted on the tuning requests'
@@ -644,15 +649,11 @@ class HybridDrafterAgent(LocalAgent):
         name = f"hybrid_m{m}"
         source = HYBRID_TEMPLATE.replace("{model_depth}", str(m)).replace("{name}", name)
         new = inc.replace(draft={"method": f"plugin:{name}"}, tree={"depth": c}).validate()
-        path = f"plugins/{name}.py"
-        diff = make_unified_diff("", source, path) + make_unified_diff(inc.to_toml(), new.to_toml(), RECIPE_FILE)
-        say.part(diff)
         rationale = (f"Simulated on the replay with each drafter's measured step cost: n-gram lookup to depth {c} "
                      f"where the context has a match and the drafter model to depth {m} elsewhere gives "
                      f"{pct(r, base)} over the incumbent {inc.draft.method} chain {depth}.")
-        return Candidate(agent=self.name, title=f"Two-level drafter plugin (n-gram depth {c}, model depth {m})",
-                         rationale=rationale, kind="recipe+plugin", diff=diff, recipe=new, files={path: source},
-                         predicted_speedup=r / base)
+        return self.plugin_candidate(inc, new, name, source, f"Two-level drafter plugin (n-gram depth {c}, model "
+                                     f"depth {m})", rationale, r / base, say)
 
 
 def _ngram_matches(tokens: list[int], prompt_len: int, ngram_max: int) -> dict[int, bool]:

@@ -132,17 +132,10 @@ def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def dequantised(r, cfg: dict):
-    """(hf_name, float32 array) for every tensor, in engine order: each layer's q, k, v then gate, up rows
-    adjacent (so fused projections can be views). Values equal `gguf.quants.dequantize` bit for bit."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    by_name = {}
-    for t in r.tensors:
-        name = hf_name(t.name)
-        if name is not None:
-            by_name[name] = t
+def ordered(r, cfg: dict) -> list[tuple[str, object]]:
+    """(hf_name, GGUF tensor) in engine order: top-level tensors, then each layer's q, k, v and gate, up
+    adjacent (so fused projections can be views); a missing layer tensor (biases aside) is an error."""
+    by_name = {hf_name(t.name): t for t in r.tensors if hf_name(t.name) is not None}
     order = [n for n in TOP_NAMES.values() if n in by_name]
     for i in range(cfg["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -152,15 +145,28 @@ def dequantised(r, cfg: dict):
             elif not part.endswith("bias"):
                 raise GGUFError(f"GGUF file has no tensor for {p + part}; it is incomplete or not a "
                                 f"{cfg['model_type']} model")
-    for name in order:
-        t = by_name[name]
+    return [(n, by_name[n]) for n in order]
+
+
+def shape(t) -> list[int]:
+    """A GGUF tensor's shape in torch order (GGUF lists the contiguous dimension first)."""
+    return [int(d) for d in reversed(t.shape)]
+
+
+def dequantised(r, cfg: dict):
+    """(hf_name, float32 array) for every tensor in `ordered` order; values equal `gguf.quants.dequantize`
+    bit for bit (llama's q/k rows un-permuted)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    for name, t in ordered(r, cfg):
         try:
             values = dequantize(t.data, t.tensor_type)
         except NotImplementedError:
             supported = "F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K"
             raise GGUFError(f"GGUF tensor {t.name} has block type {GGMLQuantizationType(t.tensor_type).name}, "
                             f"which cannot be dequantised; supported: {supported}") from None
-        values = np.ascontiguousarray(values, dtype=np.float32).reshape([int(d) for d in reversed(t.shape)])
+        values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape(t))
         if cfg["model_type"] == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
             values = np.ascontiguousarray(_unpermute(values, heads))
@@ -223,28 +229,17 @@ def _write_safetensors_streaming(dest: Path, r, cfg: dict) -> None:
     """model.safetensors from the file's tensors, dequantising one tensor at a time (two passes over the
     blocks: shapes for the header, then values) so a 1.5B model never sits in memory as float32."""
     header, offset = {}, 0
-    shapes = _shapes(r, cfg)
-    for name, shape in shapes:
-        nbytes = 4 * int(np.prod(shape))
-        header[name] = {"dtype": "F32", "shape": shape, "data_offsets": [offset, offset + nbytes]}
+    for name, t in ordered(r, cfg):
+        nbytes = 4 * int(np.prod(shape(t)))
+        header[name] = {"dtype": "F32", "shape": shape(t), "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
     with open(dest, "wb") as f:
         f.write(len(raw).to_bytes(8, "little"))
         f.write(raw)
-        for (name, values), (expect, shape) in zip(dequantised(r, cfg), shapes):
-            assert name == expect and list(values.shape) == shape
+        for _, values in dequantised(r, cfg):
             f.write(values.tobytes())
-
-
-def _shapes(r, cfg: dict) -> list[tuple[str, list[int]]]:
-    by_name = {hf_name(t.name): [int(d) for d in reversed(t.shape)] for t in r.tensors if hf_name(t.name)}
-    order = [n for n in TOP_NAMES.values() if n in by_name]
-    for i in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{i}."
-        order += [p + part for part in _LAYER_ORDER if p + part in by_name]
-    return [(n, by_name[n]) for n in order]
 
 
 _LAYER_ORDER = ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
