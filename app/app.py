@@ -25,7 +25,7 @@ from app.screens.runs import RunsScreen
 from app.settings import load_settings, save_setting
 from app.widgets.dashboard import Dashboard
 from core.cli import db_path, loop_options
-from core.events import Event, LoopHandle
+from core.events import Event, LoopHandle, StateChanged
 from themes import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
 
 LIVE_ONLY = {"approve", "reject", "toggle_pause"}
@@ -140,7 +140,7 @@ class SpecPilotApp(App[int]):
             return
         live = self.live
         if message.error and live.state.loop_state != "failed":
-            live.feed(Event("state", {"state": "failed"}))
+            live.feed(Event.of(StateChanged("failed")))
             live.report(message.error)
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Callable
 
+from core import events as ev
 from core.events import GATES, Event
 
 PANELS = ("header", "gaps", "candidates", "stream", "forcing", "speedup", "status")
@@ -79,11 +80,12 @@ class ForcingView:
 
     cid: str
     tokens: int
-    mismatches: int
+    mismatches: int | None  # None when forcing could not score the outputs (error says why)
     rate: float
-    near_ties: int
+    near_ties: int | None
     threshold: float
     passed: bool
+    error: str | None = None
 
 
 @dataclass
@@ -129,11 +131,9 @@ def model_names(dep: dict) -> str:
     return f"{short_name(target)} → {short_name(drafter)}"
 
 
-def _num(value: Any) -> float | None:
-    try:
-        return None if value is None else float(value)
-    except (TypeError, ValueError):
-        return None
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
 
 
 class DashboardState:
@@ -142,28 +142,8 @@ class DashboardState:
     def __init__(self, clock: Callable[[], float] | None = None) -> None:
         self.clock = clock  # set for a live dashboard: a step's elapsed time runs on between events
         self._progress_at: float | None = None
-        self._handlers: dict[str, Callable[[dict[str, Any]], set[str]]] = {
-            "run_started": self._run_started,
-            "round_started": self._round_started,
-            "state": self._state,
-            "progress": self._progress,
-            "agent_done": self._agent_done,
-            "gaps": self._gaps,
-            "agent_started": self._agent_started,
-            "agent_chunk": self._agent_chunk,
-            "candidate": self._candidate,
-            "candidate_failed": self._candidate_failed,
-            "gate": self._gate,
-            "forcing": self._forcing,
-            "evaluation": self._evaluation,
-            "awaiting_decision": self._awaiting,
-            "decision": self._decision,
-            "incumbent": self._incumbent,
-            "round_finished": self._round_finished,
-            "run_finished": self._run_finished,
-            "notice": self._notice,
-            "error": self._error,
-        }
+        self._handlers: dict[str, Callable[[Any], set[str]]] = {
+            cls.KIND: getattr(self, f"_on_{cls.KIND}") for cls in ev.EVENTS}
         self.reset()
 
     def reset(self) -> None:
@@ -194,13 +174,15 @@ class DashboardState:
     def apply(self, event: Event) -> set[str]:
         """Fold one event into the state; return the panels that changed."""
         self.events_seen += 1
-        handler = self._handlers.get(event.kind)
-        if handler is None:
-            return set()
         try:
-            return handler(event.payload or {})
+            body = event.body
+        except ev.MalformedEvent as exc:
+            return self._alert("warning", f"{_one_line(exc)}; event ignored")
+        try:
+            return self._handlers[body.KIND](body)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            return self._alert("warning", f"malformed {event.kind} event ignored ({type(exc).__name__}: {exc})")
+            return self._alert("warning", f"malformed {event.kind} event ignored ({type(exc).__name__}: "
+                                          f"{_one_line(exc)})")
 
     def apply_all(self, events: list[Event]) -> set[str]:
         """Apply events in order; return the union of changed panels."""
@@ -246,31 +228,30 @@ class DashboardState:
             self.candidates[cid] = CandidateView(cid)
         return self.candidates[cid]
 
-    def _run_started(self, p: dict[str, Any]) -> set[str]:
+    def _on_run_started(self, e: ev.RunStarted) -> set[str]:
         self.reset()
-        self.run = p.get("run")
-        self.deployment = dict(p.get("deployment") or {})
-        self.agents = list(p.get("agents") or [])
-        self.auto = bool(p.get("auto", False))
+        self.run = e.run
+        self.deployment = dict(e.deployment)
+        self.agents = list(e.agents)
+        self.auto = e.auto
         self.events_seen = 1
         return set(PANELS)
 
-    def _round_started(self, p: dict[str, Any]) -> set[str]:
-        self.round = int(p["round"])
+    def _on_round_started(self, e: ev.RoundStarted) -> set[str]:
+        self.round = e.round
         self.candidates.clear()
         self.forcing.clear()
         return {"header", "candidates", "stream", "forcing"}
 
-    def _state(self, p: dict[str, Any]) -> set[str]:
-        state = str(p["state"])
-        if state != "paused":
+    def _on_state(self, e: ev.StateChanged) -> set[str]:
+        if e.state != "paused":
             self.progress = None  # a new phase: the last step's progress is over
-        self.loop_state = state
+        self.loop_state = e.state
         return {"header", "status"}
 
-    def _progress(self, p: dict[str, Any]) -> set[str]:
-        self.progress = {"step": str(p["step"]), "done": int(p.get("done") or 0), "total": p.get("total"),
-                         "elapsed_s": _num(p.get("elapsed_s")) or 0.0, "eta_s": _num(p.get("eta_s"))}
+    def _on_progress(self, e: ev.Progress) -> set[str]:
+        self.progress = {"step": e.step, "done": e.done, "total": e.total, "elapsed_s": e.elapsed_s,
+                         "eta_s": e.eta_s}
         self._progress_at = self.clock() if self.clock else None
         return {"status"}
 
@@ -283,112 +264,105 @@ class DashboardState:
         return {**self.progress, "elapsed_s": self.progress["elapsed_s"] + late,
                 "eta_s": None if eta is None else max(0.0, eta - late)}
 
-    def _agent_done(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.title = str(p.get("title") or cand.title)
+    def _on_agent_done(self, e: ev.AgentDone) -> set[str]:
+        cand = self._cand(e.cid)
+        cand.title = e.title or cand.title
         if cand.state == "streaming":
             cand.state = "queued"
         return {"candidates"}
 
-    def _gaps(self, p: dict[str, Any]) -> set[str]:
-        gaps = [(str(g["component"]), float(g["ms_per_token"])) for g in p.get("gaps", [])]
-        largest = p.get("largest_gap") or (max(gaps, key=lambda g: g[1])[0] if gaps else "")
-        self.gaps = GapView(p.get("round"), float(p.get("measured_tokens_per_s") or 0.0),
-                            float(p.get("ceiling_tokens_per_s") or 0.0), gaps, str(largest))
+    def _on_gaps(self, e: ev.Gaps) -> set[str]:
+        gaps = [(str(g["component"]), float(g["ms_per_token"])) for g in e.gaps]
+        largest = e.largest_gap or (max(gaps, key=lambda g: g[1])[0] if gaps else "")
+        self.gaps = GapView(e.round, e.measured_tokens_per_s, e.ceiling_tokens_per_s, gaps, largest)
         return {"gaps"}
 
-    def _agent_started(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.agent = str(p.get("agent", cand.agent))
-        cand.direction = str(p.get("direction", ""))
+    def _on_agent_started(self, e: ev.AgentStarted) -> set[str]:
+        cand = self._cand(e.cid)
+        cand.agent = e.agent or cand.agent
+        cand.direction = e.direction
         cand.state = "streaming"
         return {"candidates", "stream"}
 
-    def _agent_chunk(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.stream += str(p.get("text", ""))
+    def _on_agent_chunk(self, e: ev.AgentChunk) -> set[str]:
+        self._cand(e.cid).stream += e.text
         return {"stream"}
 
-    def _candidate(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.agent = str(p.get("agent", cand.agent))
-        cand.title = str(p.get("title", ""))
-        cand.rationale = str(p.get("rationale", ""))
-        cand.kind = str(p.get("kind", ""))
-        cand.diff = str(p.get("diff", ""))
-        cand.recipe = str(p.get("recipe", ""))
-        cand.predicted = _num(p.get("predicted_speedup"))
+    def _on_candidate(self, e: ev.CandidateProposed) -> set[str]:
+        cand = self._cand(e.cid)
+        cand.agent = e.agent or cand.agent
+        cand.title, cand.rationale, cand.kind = e.title, e.rationale, e.kind
+        cand.diff, cand.recipe, cand.predicted = e.diff, e.recipe, e.predicted_speedup
         cand.state = "proposed"
         return {"candidates", "stream"}
 
-    def _candidate_failed(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.agent = str(p.get("agent", cand.agent))
-        cand.failure = str(p.get("reason", ""))
+    def _on_candidate_failed(self, e: ev.CandidateFailed) -> set[str]:
+        cand = self._cand(e.cid)
+        cand.agent = e.agent or cand.agent
+        cand.failure = e.reason
         cand.state = "agent failed"
         return {"candidates", "stream"} | self._alert(
             "warning", f"agent {cand.agent or '?'} failed on {cand.cid}: {cand.failure}")
 
-    def _gate(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        gate, passed = str(p["gate"]), bool(p["passed"])
-        cand.gates[gate] = passed
-        cand.gate_details[gate] = str(p.get("detail", ""))
-        if not passed:
-            cand.state = f"failed {gate}"
-        elif gate == GATES[-1]:
+    def _on_gate(self, e: ev.GateChecked) -> set[str]:
+        cand = self._cand(e.cid)
+        cand.gates[e.gate] = e.passed
+        cand.gate_details[e.gate] = e.detail
+        if not e.passed:
+            cand.state = f"failed {e.gate}"
+        elif e.gate == GATES[-1]:
             cand.state = "passed"
         elif cand.state in ("proposed", "streaming", "judging"):
             cand.state = "judging"
         return {"candidates"}
 
-    def _forcing(self, p: dict[str, Any]) -> set[str]:
-        cid = str(p["cid"])
-        self.forcing[cid] = ForcingView(cid, int(p["tokens"]), int(p["mismatches"]), float(p["rate"]),
-                                        int(p.get("near_ties", 0)), float(p["threshold"]), bool(p["passed"]))
-        self._cand(cid)
-        return {"forcing", "candidates"}
+    def _on_forcing(self, e: ev.Forced) -> set[str]:
+        self.forcing[e.cid] = ForcingView(e.cid, e.tokens, e.mismatches, e.rate, e.near_ties, e.threshold, e.passed,
+                                          e.error)
+        self._cand(e.cid)
+        changed = {"forcing", "candidates"}
+        if e.error:
+            changed |= self._alert("error", f"{e.cid}: {e.error}")
+        return changed
 
-    def _evaluation(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.speedups[str(p["split"])] = float(p["speedup"])
+    def _on_evaluation(self, e: ev.Evaluated) -> set[str]:
+        self._cand(e.cid).speedups[e.split] = e.speedup
         return {"candidates"}
 
-    def _awaiting(self, p: dict[str, Any]) -> set[str]:
-        self._cand(p["cid"]).state = "awaiting"
+    def _on_awaiting_decision(self, e: ev.AwaitingDecision) -> set[str]:
+        self._cand(e.cid).state = "awaiting"
         return {"candidates"}
 
-    def _decision(self, p: dict[str, Any]) -> set[str]:
-        cand = self._cand(p["cid"])
-        cand.decision = str(p["decision"])
-        cand.note = str(p.get("note", ""))
+    def _on_decision(self, e: ev.Decided) -> set[str]:
+        cand = self._cand(e.cid)
+        cand.decision, cand.note = e.decision, e.note
         cand.state = {"approve": "approved", "reject": "rejected"}.get(cand.decision, cand.decision)
         return {"candidates"}
 
-    def _incumbent(self, p: dict[str, Any]) -> set[str]:
-        point = IncumbentPoint(int(p.get("round", self.round or 0)), float(p["heldout_speedup_vs_ar"]),
-                               _num(p.get("heldout_speedup_vs_stock")), _num(p.get("ceiling_speedup_vs_ar")),
-                               p.get("interval"), _num(p.get("stock_speedup_vs_ar")))
+    def _on_incumbent(self, e: ev.NewIncumbent) -> set[str]:
+        point = IncumbentPoint(e.round if e.round is not None else self.round or 0, e.heldout_speedup_vs_ar,
+                               e.heldout_speedup_vs_stock, e.ceiling_speedup_vs_ar, e.interval, e.stock_speedup_vs_ar)
         self.incumbents = [q for q in self.incumbents if q.round != point.round] + [point]
         self.incumbents.sort(key=lambda q: q.round)
         return {"speedup", "header"}
 
-    def _round_finished(self, p: dict[str, Any]) -> set[str]:
-        self.round = int(p.get("round", self.round or 0))
+    def _on_round_finished(self, e: ev.RoundFinished) -> set[str]:
+        self.round = e.round if e.round is not None else self.round or 0
         return {"header"}
 
-    def _run_finished(self, p: dict[str, Any]) -> set[str]:
-        self.summary = p.get("summary")
-        self.run_status = str(p.get("status") or "finished")
+    def _on_run_finished(self, e: ev.RunFinished) -> set[str]:
+        self.summary = e.summary
+        self.run_status = e.status
         best = self.best_speedup
         tail = f": best {best:.2f}x over AR" if best is not None else ""
-        reason = (self.summary or {}).get("reason") if isinstance(self.summary, dict) else None
+        reason = self.summary.get("reason") if isinstance(self.summary, dict) else None
         if self.run_status != "finished" and reason:
             tail += f" ({reason})"
-        return {"header"} | self._alert("information", f"run {p.get('run', self.run)} {self.run_status}{tail}")
+        run = e.run if e.run is not None else self.run
+        return {"header"} | self._alert("information", f"run {run} {self.run_status}{tail}")
 
-    def _notice(self, p: dict[str, Any]) -> set[str]:
-        return self._alert("information", str(p.get("message", "")), toast=False)
+    def _on_notice(self, e: ev.Notice) -> set[str]:
+        return self._alert("information", e.message, toast=False)
 
-    def _error(self, p: dict[str, Any]) -> set[str]:
-        return self._alert("error", str(p.get("message", "")))
+    def _on_error(self, e: ev.Error) -> set[str]:
+        return self._alert("error", e.message)

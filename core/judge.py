@@ -29,6 +29,7 @@ from typing import Callable
 
 from core import progress
 from core.deployment import Deployment
+from core.events import GATES
 from core.mechanisms import UnknownMechanism, check_recipe
 from core.recipe import Recipe
 from core.stats import Comparison, compare, noise_floor, speedups
@@ -572,5 +573,4 @@ def _has_plugins(workspace: str | Path | None) -> bool:
 
 
 def _next_gate(verdict: Verdict) -> str:
-    order = ("applies", "smoke", "forcing", "tuning", "heldout")
-    return next((g for g in order if g not in verdict.gates), "heldout")
+    return next((g for g in GATES if g not in verdict.gates), GATES[-1])

@@ -7,6 +7,7 @@ TOML rendering is canonical: the same recipe always renders to the same text.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -287,3 +288,32 @@ def resolve(spec: str, has_drafter: bool = True) -> Recipe:
     if spec.endswith(".toml") or "/" in spec:
         return Recipe.load(spec)
     return stock(has_drafter) if spec == "stock" else builtin(spec)
+
+
+def changed_fields(recipe: Recipe, base: Recipe | dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The sections and fields `recipe` sets differently from `base` (a recipe or its dict): what a
+    candidate changed, what memory stores as a mechanism, what a rejection names."""
+    old = base.to_dict() if isinstance(base, Recipe) else base
+    out: dict[str, dict[str, Any]] = {}
+    for section, fields in recipe.to_dict().items():
+        if isinstance(fields, dict):
+            changed = {k: v for k, v in fields.items() if (old.get(section) or {}).get(k) != v}
+            if changed:
+                out[section] = changed
+    return out
+
+
+def combine(incumbent: Recipe, winners: list[Recipe]) -> Recipe | None:
+    """Each winner's changed fields (relative to the incumbent) applied on top of each other, best first: a
+    field the first winner changed is not overridden by a later one. None when the result is invalid."""
+    base = incumbent.to_dict()
+    merged = json.loads(json.dumps(base))
+    for w in winners:
+        for section, fields in changed_fields(w, base).items():
+            for key, value in fields.items():
+                if merged[section][key] == base[section][key]:
+                    merged[section][key] = value
+    try:
+        return Recipe.from_dict({**merged, "name": "combined"})
+    except ValueError:
+        return None

@@ -177,16 +177,16 @@ def test_bad_store_files_give_one_line_and_stay_unchanged(mini, tmp_path, capsys
                                   "plugins/sub/x.py", "plugins/x.txt", "recipe.toml", "plugins\\x.py"])
 def test_candidate_files_outside_the_allow_list_are_refused(path):
     from core.agents.diffs import DiffError
-    from core.loop import _checked_files
+    from core.loop import checked_files
 
     with pytest.raises(DiffError, match="outside the allow-list"):
-        _checked_files({"plugins/ok.py": "x = 1\n", path: "x = 2\n"})
+        checked_files({"plugins/ok.py": "x = 1\n", path: "x = 2\n"})
 
 
 def test_candidate_plugin_files_are_normalised():
-    from core.loop import _checked_files
+    from core.loop import checked_files
 
-    assert _checked_files({"./plugins/foo.py": "x = 1\n"}) == {"plugins/foo.py": "x = 1\n"}
+    assert checked_files({"./plugins/foo.py": "x = 1\n"}) == {"plugins/foo.py": "x = 1\n"}
 
 
 def test_time_budget_stops_the_run_and_says_so(mini, tmp_path):

@@ -13,7 +13,7 @@ from textual.widgets import Footer, Static
 
 from app.bridge import StoreLike, one_line
 from app.widgets.dashboard import Dashboard
-from core.events import Event
+from core.events import Event, MalformedEvent
 
 SPEEDS: tuple[tuple[str, float | None], ...] = (("1x", 1.0), ("10x", 10.0), ("100x", 100.0), ("instant", None))
 MAX_WAIT_S = 2.0
@@ -25,9 +25,17 @@ def split_round(events: list[Event], index: int | None) -> tuple[list[Event], li
     if index is None:
         return [], list(events)
     for i, event in enumerate(events):
-        if event.kind == "round_started" and int((event.payload or {}).get("round", -1)) == index:
+        if event.kind == "round_started" and _round(event) == index:
             return list(events[:i]), list(events[i:])
     return [], list(events)
+
+
+def _round(event: Event) -> int | None:
+    """A round_started event's round; None when the stored event does not parse (it is shown as a notice)."""
+    try:
+        return event.body.round  # type: ignore[attr-defined]
+    except MalformedEvent:
+        return None
 
 
 class ReplayScreen(Screen[None]):

@@ -22,7 +22,7 @@ from app.widgets.forcing import ForcingTable
 from app.widgets.gaps import GapBars, gap_title
 from app.widgets.header import StatusHeader, StatusLine
 from app.widgets.speedup import SpeedupPlot
-from core.events import Event
+from core.events import Error, Event, Notice
 
 DRAIN_INTERVAL = 0.15
 WIDE_MIN = (120, 35)
@@ -164,7 +164,7 @@ class Dashboard(Widget):
 
     def report(self, message: str, severity: str = "error") -> None:
         """Show a UI-side problem exactly like a core `error`/`notice` event."""
-        self.feed(Event("error" if severity == "error" else "notice", {"message": message}))
+        self.feed(Event.of(Error(message) if severity == "error" else Notice(message)))
 
     def _notify(self, alerts: list[Alert]) -> None:
         """Toasts for warnings, errors and the run's end; notices only update the status line."""

@@ -18,6 +18,11 @@ def percent(value: float) -> str:
     return f"{value * 100:.2f}%"
 
 
+def _count(value: int | None) -> str:
+    """A count, or a dash where forcing could not score the outputs (its error is on the status line)."""
+    return "—" if value is None else str(value)
+
+
 class ForcingTable(DataTable):
     """One row per forced candidate: tokens, mismatches, rate, near-ties, threshold and PASS/FAIL."""
 
@@ -37,7 +42,7 @@ class ForcingTable(DataTable):
     def _row(self, f: ForcingView) -> tuple[Text, ...]:
         verdict = Text("PASS" if f.passed else "FAIL",
                        style=self.get_component_rich_style("forcing--pass" if f.passed else "forcing--fail"))
-        nums = (str(f.tokens), str(f.mismatches), percent(f.rate), str(f.near_ties), percent(f.threshold))
+        nums = (str(f.tokens), _count(f.mismatches), percent(f.rate), _count(f.near_ties), percent(f.threshold))
         return (Text(short_cid(f.cid)), *(Text(n, justify="right") for n in nums), verdict)
 
     def sync(self, restyle: bool = False) -> None:

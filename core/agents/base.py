@@ -63,38 +63,6 @@ class AgentFailure:
     reason: str
 
 
-def changed_fields(recipe: Recipe, base: Recipe) -> dict[str, dict[str, Any]]:
-    """The sections and fields `recipe` sets differently from `base`."""
-    old = base.to_dict()
-    out: dict[str, dict[str, Any]] = {}
-    for section, fields in recipe.to_dict().items():
-        if isinstance(fields, dict):
-            changed = {k: v for k, v in fields.items() if (old.get(section) or {}).get(k) != v}
-            if changed:
-                out[section] = changed
-    return out
-
-
-def rejection_of(recipe: Recipe, incumbent: Recipe, rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The rejection `recipe` repeats: one whose every changed field it changes to the same value."""
-    mine = changed_fields(recipe, incumbent)
-    for entry in rejected:
-        fragment = entry.get("fragment") or {}
-        if fragment and all(isinstance(f, dict) and f and all(mine.get(sec, {}).get(k, object()) == v
-                                                              for k, v in f.items())
-                            for sec, f in fragment.items()):
-            return entry
-    return None
-
-
-def rejection_line(entry: dict[str, Any]) -> str:
-    """One rejection as a person reads it: what, when, and the note verbatim."""
-    ev = entry.get("evidence") or {}
-    note = ev.get("note") or ""
-    return (f"{entry.get('mechanism', 'a change')} (rejected in round {ev.get('round', '?')}"
-            + (f": \"{note}\")" if note else ", no note)"))
-
-
 class Agent(Protocol):
     """Proposes one candidate per call, streaming its text (reasoning, diff) through `on_chunk` in order."""
 

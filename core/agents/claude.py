@@ -15,10 +15,9 @@ from typing import Any, Callable
 
 import anthropic
 
-from core.agents.base import (
-    PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate, rejection_line,
-)
+from core.agents.base import PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate
 from core.agents.diffs import AllowList, DiffError, apply_edits, make_unified_diff, parse_agent_output
+from core.memory import rejection_line
 from core.recipe import Recipe, RecipeError
 from core.store.redact import KEY_ENV, redact, redact_text
 

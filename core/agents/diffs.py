@@ -346,10 +346,12 @@ def parse_agent_output(text: str) -> list[FileEdit]:
     return edits
 
 
-def _normalise(path: str, allow: Callable[[str], bool]) -> str:
-    pure = PurePosixPath(path)
+def checked_path(path: str, allow: Callable[[str], bool]) -> str:
+    """`path` relative to the workspace with `.` parts dropped, or DiffError when it is absolute, climbs out
+    (`..`), uses backslashes, or is not on the allow-list: the one check every written path goes through."""
+    pure = PurePosixPath(str(path))
     clean = str(PurePosixPath(*[p for p in pure.parts if p != "."])) if pure.parts else ""
-    bad = pure.is_absolute() or ".." in pure.parts or not clean or clean == "."
+    bad = pure.is_absolute() or ".." in pure.parts or "\\" in str(path) or not clean or clean == "."
     if bad or not allow(clean):
         desc = getattr(allow, "description", "the agent may only edit the files it was given")
         raise DiffError(f"path {path} is outside the allow-list: {desc}")
@@ -364,7 +366,7 @@ def apply_edits(edits: list[FileEdit], files: dict[str, str], allow: Callable[[s
     """
     result = dict(files)
     for edit in edits:
-        path = _normalise(edit.path, allow)
+        path = checked_path(edit.path, allow)
         if path not in result and not edit.creates:
             raise DiffError(f"{path} does not exist; create it with a diff from /dev/null or a SEARCH/REPLACE "
                             "block with an empty SEARCH")

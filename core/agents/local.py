@@ -12,10 +12,11 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate, rejection_line, rejection_of
+from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate
 from core.agents.diffs import make_unified_diff
 from core.deployment import Deployment
 from core.engine.tree import static_prefixes
+from core.memory import apply_fragment, applicable, effect_of, rejection_line, rejection_of, remembered_plugins
 from core.recipe import LINEAR_BACKENDS, Recipe, RecipeError
 
 MIN_GAIN = 0.01  # below this the judge's noise floor swallows the change: not worth a timing slot
@@ -726,38 +727,6 @@ def cut_tree(recipe: Recipe, nodes: int) -> Recipe:
     return static_tree(recipe, [list(p) for p in kept if p not in inner], t.budget)
 
 
-def effect_of(entry: dict[str, Any]) -> float | None:
-    """The remembered speedup, whether stored as a number or as {'heldout_speedup': x, ...}."""
-    effect = entry.get("effect")
-    if isinstance(effect, dict):
-        effect = effect.get("heldout_speedup", effect.get("speedup"))
-    return float(effect) if isinstance(effect, (int, float)) else None
-
-
-def apply_fragment(recipe: Recipe, fragment: dict[str, Any]) -> Recipe:
-    """The recipe with a remembered fragment's sections and fields set (validated)."""
-    return recipe.replace(**{s: dict(f) for s, f in fragment.items() if isinstance(f, dict)}).validate()
-
-
-def applicable(memory: list[dict[str, Any]], recipe: Recipe | None) -> list[tuple[dict[str, Any], Recipe | None]]:
-    """Entries whose fragment is valid and not already in `recipe` (all entries with a fragment if None)."""
-    out = []
-    for entry in memory:
-        fragment = entry.get("fragment") or {}
-        if not isinstance(fragment, dict) or not fragment:
-            continue
-        if recipe is None:
-            out.append((entry, None))
-            continue
-        try:
-            new = apply_fragment(recipe, fragment)
-        except (RecipeError, TypeError, KeyError, ValueError):
-            continue
-        if new.to_toml() != recipe.to_toml():
-            out.append((entry, new))
-    return out
-
-
 class MemoryAgent(LocalAgent):
     """Starts from what won before: the best remembered fragment(s) not already in the incumbent."""
 
@@ -806,21 +775,6 @@ class MemoryAgent(LocalAgent):
         if files:
             out.kind, out.files, out.diff = "recipe+plugin", files, diff + out.diff
         return out
-
-
-def remembered_plugins(entries: list[dict[str, Any]], workspace: Any) -> dict[str, str]:
-    """The plugin sources stored with remembered winners (evidence.plugins), minus files the workspace
-    already holds unchanged: what re-proposing those mechanisms needs."""
-    from pathlib import Path
-
-    files: dict[str, str] = {}
-    for entry in entries:
-        evidence = entry.get("evidence") if isinstance(entry.get("evidence"), dict) else {}
-        for path, text in (evidence.get("plugins") or {}).items():
-            here = Path(workspace) / path
-            if isinstance(text, str) and not (here.is_file() and here.read_text() == text):
-                files[str(path)] = text
-    return files
 
 
 def _fingerprint(deployment: dict[str, Any]) -> str | None:

@@ -11,7 +11,8 @@ import re
 from typing import Any
 
 from core.agents.base import Agent
-from core.agents.local import DEFAULT_ORDER, GAP_AGENTS, LocalAgent, MemoryAgent, applicable
+from core.agents.local import DEFAULT_ORDER, GAP_AGENTS, LocalAgent, MemoryAgent
+from core.memory import applicable
 from core.recipe import Recipe
 
 KINDS = ("local", "claude")

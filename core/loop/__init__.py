@@ -1,0 +1,23 @@
+"""The search loop, in parts: config (what a run is asked to do), control (pause, stop, decisions from
+other threads), record (event persistence), rounds (the algorithm), workspace (candidate files) and
+headless (stderr output). Memory is core/memory.py. This package keeps the names its callers import."""
+
+from __future__ import annotations
+
+import argparse
+
+from core.events import STATES
+from core.loop.config import LoopConfig, config_from_args, default_workdir, parse_local_agents
+from core.loop.control import PROGRESS_EVERY_S, Pending
+from core.loop.headless import stderr_progress
+from core.loop.rounds import Loop
+from core.loop.workspace import checked_files
+from core.memory import is_rejection
+
+__all__ = ["PROGRESS_EVERY_S", "STATES", "Loop", "LoopConfig", "Pending", "build_loop", "checked_files",
+           "config_from_args", "default_workdir", "is_rejection", "parse_local_agents", "stderr_progress"]
+
+
+def build_loop(args: argparse.Namespace) -> Loop:
+    """What the dashboard and `specpilot run` call."""
+    return Loop(config_from_args(args))
