@@ -39,6 +39,17 @@ class DraftSection:
     ngram_max: int = 3
     length: str = "fixed"
 
+    def exit_layers(self, target_layers: int) -> int:
+        """The early exit's depth: exit_layer, or half the target's layers when it is 0 (the default)."""
+        return self.exit_layer or target_layers // 2
+
+    def drafter_key(self, target_layers: int) -> str:
+        """What the cost model keys a drafter by: 'model', 'ngram', 'early_exit:E' (E resolved), or a
+        plugin drafter's own name."""
+        if self.method == "early_exit":
+            return f"early_exit:{self.exit_layers(target_layers)}"
+        return self.method
+
 
 @dataclass
 class TreeSection:

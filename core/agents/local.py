@@ -83,13 +83,10 @@ def tree_label(recipe: Recipe) -> str:
 
 
 def drafter_key(recipe: Recipe, drafters: list[str]) -> str:
-    """'model', 'ngram' or 'early_exit:E': the names CostTools.drafters uses (exit_layer 0 = half the
-    target's layers, as the engine resolves it; the target has one more layer than the last exit listed)."""
-    d = recipe.draft
-    if d.method != "early_exit":
-        return d.method
+    """'model', 'ngram' or 'early_exit:E': the names CostTools.drafters uses (the target has one more
+    layer than the last exit listed)."""
     exits = [int(k.split(":")[1]) for k in drafters if k.startswith("early_exit:")]
-    return f"early_exit:{d.exit_layer or (max(exits, default=1) + 1) // 2}"
+    return recipe.draft.drafter_key(max(exits, default=1) + 1)
 
 
 def with_drafter(recipe: Recipe, key: str) -> Recipe:

@@ -66,8 +66,8 @@ def drafter_cost(profile: Profile, recipe: Recipe) -> dict:
             raise ValueError("the profile has no measurements of a drafter model; profile a deployment with a "
                              "drafter checkpoint to predict draft.method = 'model'")
         return on_backend(profile, "model", profile.drafters["model"], backend)
-    layers = recipe.draft.exit_layer or profile.target_layers // 2
-    key = f"early_exit:{layers}"
+    layers = recipe.draft.exit_layers(profile.target_layers)
+    key = recipe.draft.drafter_key(profile.target_layers)
     if key in profile.drafters:
         return on_backend(profile, key, profile.drafters[key], backend)
     measured = [k for k in profile.drafters if k.startswith("early_exit:")]

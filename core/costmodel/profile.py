@@ -273,7 +273,7 @@ def drafter_models(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
     """Drafter networks worth costing: the drafter checkpoint and the target's early exit (the recipe's
     exit layer, else half the layers), keyed "model" and "early_exit:E"."""
     target, drafter = engine.models_for(recipe)
-    layers = recipe.draft.exit_layer or target.cfg.num_layers // 2
+    layers = recipe.draft.exit_layers(target.cfg.num_layers)
     out = {"model": drafter} if drafter is not None else {}
     if 0 < layers < target.cfg.num_layers:
         out[f"early_exit:{layers}"] = target.truncated(layers)

@@ -24,7 +24,7 @@ import torch
 
 from core.costmodel import trees
 from core.engine import Engine
-from core.engine.decode import Verification, generate
+from core.engine.decode import Verification, cache_room, generate
 from core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.sampling import seeded_scores
@@ -192,7 +192,7 @@ def _run_drafter(replay: Replay, spec: TreeSpec) -> Simulation:
         else:
             drafter = ModelDrafter(replay.model)
         mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, torch.tensor([t.request_id]))
-        drafter.reset([t.tokens[: t.prompt_len]], len(t.tokens) + 2 * spec.max_nodes + 4)
+        drafter.reset([t.tokens[: t.prompt_len]], len(t.tokens) + cache_room(spec.max_nodes))
         i, emitted, steps, sizes = t.prompt_len - 1, 0, [], []
         last = len(t.tokens) - 1
         while emitted < t.n_out and i < last:
@@ -290,8 +290,8 @@ def replay_for(engine: Engine, recipe: Recipe, traces: list[Trace], made: dict |
     made = {} if made is None else made
     target, drafter = engine.models_for(recipe)
     d = recipe.draft
-    layers = d.exit_layer or target.cfg.num_layers // 2
-    key = {"ngram": f"ngram:{d.ngram_max}", "early_exit": f"early_exit:{layers}"}.get(d.method, "model")
+    layers = d.exit_layers(target.cfg.num_layers)
+    key = d.drafter_key(target.cfg.num_layers) + (f":{d.ngram_max}" if d.method == "ngram" else "")
     if key not in made:
         if d.method == "ngram":
             made[key] = ngram_replay(traces, d.ngram_max)

@@ -24,11 +24,8 @@ EXTRA = 16  # tokens recorded past each request's end: deep enough for the deepe
 
 
 def drafter_key(recipe: Recipe, layers: int) -> str:
-    """'model', 'ngram' or 'early_exit:E' (E resolved as the engine does: exit_layer 0 means half)."""
-    d = recipe.draft
-    if d.method == "early_exit":
-        return f"early_exit:{d.exit_layer or layers // 2}"
-    return d.method
+    """'model', 'ngram' or 'early_exit:E' (E resolved as the engine does)."""
+    return recipe.draft.drafter_key(layers)
 
 
 def _modelled(recipe: Recipe) -> Recipe:

@@ -110,7 +110,7 @@ def _early_exit_drafter(engine: Any, recipe: Any, target: Any, drafter_model: An
     from core.engine.config import ModelLoadError
     from core.engine.drafters import ModelDrafter
 
-    layers = recipe.draft.exit_layer or target.cfg.num_layers // 2
+    layers = recipe.draft.exit_layers(target.cfg.num_layers)
     if layers >= target.cfg.num_layers:
         raise ModelLoadError(f"draft.exit_layer = {layers} must be below the target's "
                              f"{target.cfg.num_layers} layers")

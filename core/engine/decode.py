@@ -123,6 +123,73 @@ def _accept_rejection(tree: DraftTree, p: torch.Tensor, gen: torch.Generator) ->
     return path, int(torch.multinomial(p[node], 1, generator=gen).item())
 
 
+def cache_room(nodes: int) -> int:
+    """Target cache positions needed past the longest request when steps verify trees of up to `nodes`
+    nodes: a step's tree is written after the committed prefix before it is compacted, plus root and bonus."""
+    return 2 * nodes + 4
+
+
+def drafter_room(nodes: int) -> int:
+    """Drafter cache positions needed past the target's: one drafted tree ahead, plus root and bonus."""
+    return nodes + 2
+
+
+@dataclass
+class Step:
+    """One draft -> verify -> accept -> commit step over the rows in `rows` (indices into `trees`), with
+    the perf_counter at its start and end and its phase times."""
+
+    trees: list[DraftTree]
+    rows: list[int]
+    paths: list[list[int]]
+    emitted: list[list[int]]  # per row in `rows`: the accepted draft tokens, then the bonus token
+    start: float
+    end: float
+    draft_ms: float
+    verify_ms: float
+    commit_ms: float
+
+    @property
+    def accepted(self) -> list[int]:
+        """Tokens each row gained (accepted draft tokens + the bonus)."""
+        return [len(e) for e in self.emitted]
+
+    @property
+    def nodes(self) -> int:
+        """Tree nodes verified for the rows that took part."""
+        return sum(len(self.trees[b]) for b in self.rows)
+
+    def stats(self, host_ms: float) -> StepStats:
+        return StepStats(self.draft_ms, self.verify_ms, self.commit_ms, host_ms, self.nodes, self.accepted)
+
+
+def step(target: Transformer, cache, draft: Callable[[], list[DraftTree]], drafter: Drafter | None,
+         rows: list[int], ver: Verification, rule: AcceptanceRule, req: torch.Tensor, lengths: list[int],
+         gen: torch.Generator | None) -> Step:
+    """The step both generation paths run (one request or a continuous batch): `draft()` gives every cache
+    row's tree, one target forward verifies them all, the rule accepts a path for each row in `rows`, and
+    the cache (and drafter, when there is one) keeps only those paths; `lengths` advances to match."""
+    dev = target.device
+    t0 = time.perf_counter()
+    trees = draft()
+    _sync(dev)
+    t1 = time.perf_counter()
+    choice = verify(target, cache, trees, ver, req, lengths, rule)
+    _sync(dev)
+    t2 = time.perf_counter()
+    paths, emitted = [], []
+    for b in rows:
+        path, bonus = rule.accept(trees[b], choice[b], gen)
+        paths.append(path)
+        emitted.append([trees[b].tokens[i] for i in path] + [bonus])
+    commit_paths(cache, rows, paths, lengths)
+    if drafter is not None:
+        drafter.commit(rows, paths, emitted)
+    _sync(dev)
+    t3 = time.perf_counter()
+    return Step(trees, rows, paths, emitted, t0, t3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
+
+
 def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[int]],
              max_new_tokens: int | list[int], spec: TreeSpec | None = None,
              verification: Verification | None = None, request_ids: list[int] | None = None,
@@ -143,7 +210,7 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
             raise GenerationError(f"request {i}: prompt of {len(p)} tokens + max_new_tokens {n} exceeds the "
                                   f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
     speculative = drafter is not None and spec is not None
-    extra = 2 * spec.max_nodes + 4 if speculative else 2
+    extra = cache_room(spec.max_nodes) if speculative else 2
     max_len = max(len(p) + n for p, n in zip(prompts, limits)) + extra
     dev = target.device
     eos = set(target.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
@@ -163,7 +230,7 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
                         logits_at=torch.zeros(B, 0, dtype=torch.long, device=dev))
             cache.lengths.copy_(torch.tensor([len(p) for p in pre], device=dev))
         if speculative:
-            drafter.reset(prompts, max_len + spec.max_nodes + 2)
+            drafter.reset(prompts, max_len + drafter_room(spec.max_nodes))
         lengths = [len(p) for p in pre]
         roots = [p[-1] for p in prompts]
         out: list[list[int]] = [[] for _ in range(B)]
@@ -171,50 +238,33 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
         active = [n > 0 for n in limits]
         steps: list[StepStats] = []
         recent: list[list[int]] = [[] for _ in range(B)]
-        t_prev = time.perf_counter()
-        while any(active):
-            t0 = time.perf_counter()
+
+        def draft() -> list[DraftTree]:
             if speculative and draft_length is not None:
                 caps = [_cap(draft_length, spec.depth_limit, recent[b]) for b in range(B)]
                 step_spec = spec.shortened(max(c for c, a in zip(caps, active) if a))
-                trees = [_truncate(t, c) for t, c in zip(drafter.draft(step_spec, mode, active), caps)]
-            elif speculative:
-                trees = drafter.draft(spec, mode, active)
-            else:
-                trees = [DraftTree.root(r) for r in roots]
-            _sync(dev)
-            t1 = time.perf_counter()
-            choice = verify(target, cache, trees, ver, req, lengths, rule)
-            _sync(dev)
-            t2 = time.perf_counter()
-            rows, paths, emitted, accepted = [], [], [], []
-            for b in range(B):
-                if not active[b]:
-                    continue
-                path, bonus = rule.accept(trees[b], choice[b], gen)
-                rows.append(b)
-                paths.append(path)
-                emitted.append([trees[b].tokens[i] for i in path] + [bonus])
-                accepted.append(len(path) + 1)
-                recent[b] = (recent[b] + [len(path) + 1])[-16:]
-            commit_paths(cache, rows, paths, lengths)
-            for b, toks in zip(rows, emitted):
+                return [_truncate(t, c) for t, c in zip(drafter.draft(step_spec, mode, active), caps)]
+            if speculative:
+                return drafter.draft(spec, mode, active)
+            return [DraftTree.root(r) for r in roots]
+
+        t_prev = time.perf_counter()
+        while any(active):
+            taken = step(target, cache, draft, drafter if speculative else None, [b for b in range(B) if active[b]],
+                         ver, rule, req, lengths, gen)
+            for b, toks in zip(taken.rows, taken.emitted):
+                recent[b] = (recent[b] + [len(toks)])[-16:]
                 committed[b].append(roots[b])
                 committed[b].extend(toks[:-1])
                 roots[b] = toks[-1]
-            if speculative:
-                drafter.commit(rows, paths, emitted)
-            _sync(dev)
-            t3 = time.perf_counter()
-            for b, toks in zip(rows, emitted):
+            for b, toks in zip(taken.rows, taken.emitted):
                 for t in toks:
                     out[b].append(t)
                     if t in eos or len(out[b]) >= limits[b]:
                         active[b] = False
                         break
             t4 = time.perf_counter()
-            steps.append(StepStats((t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3,
-                                   (t4 - t3 + t0 - t_prev) * 1e3, sum(len(trees[b]) for b in rows), accepted))
+            steps.append(taken.stats((t4 - taken.end + taken.start - t_prev) * 1e3))
             t_prev = t4
         seconds = time.perf_counter() - start
     return GenerateResult(out, steps, seconds, committed, cache)

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import torch
 
 from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _sync, _truncate,
-                                commit_paths, verify)
+                                cache_room, drafter_room, step)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import KVCache, Transformer
 from core.engine.tree import DraftTree, chain_paths
@@ -195,12 +195,11 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                                   f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
     speculative = drafter is not None and spec is not None
     nodes = max(spec.max_nodes, MAX_DEPTH) if speculative else 0
-    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + 2 * nodes + 4
-    dev = target.device
+    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + cache_room(nodes)
     eos = set(target.cfg.eos_token_ids)
     cache = target.new_cache(max_batch, max_len)
     if speculative:
-        drafter.open(max_batch, max_len + nodes + 2)
+        drafter.open(max_batch, max_len + drafter_room(nodes))
     queue = list(range(len(prompts)))
     rows: list[int] = []
     lengths: list[int] = []
@@ -227,38 +226,25 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
             view = cache.view(n)
             req_ids = torch.tensor([ids[r] for r in rows])
             depths = policy.depths(alphas) if speculative else None
-            t1 = time.perf_counter()
-            if not speculative or (depths is not None and max(depths) == 0):
-                trees = [DraftTree.root(r) for r in roots]
-            else:
+
+            def draft() -> list[DraftTree]:
+                if not speculative or (depths is not None and max(depths) == 0):
+                    return [DraftTree.root(r) for r in roots]
                 step_spec = spec
                 if depths is not None:
                     step_spec = chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
-                mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, req_ids)
-                trees = drafter.draft(step_spec, mode, [True] * n)
-                if depths is not None:
-                    trees = [_truncate(t, d) for t, d in zip(trees, depths)]
-            _sync(dev)
-            t2 = time.perf_counter()
-            choice = verify(target, view, trees, ver, req_ids, lengths, rule)
-            _sync(dev)
-            t3 = time.perf_counter()
-            paths, emitted, accepted = [], [], []
-            for b in range(n):
-                path, bonus = rule.accept(trees[b], choice[b], None)
-                paths.append(path)
-                emitted.append([trees[b].tokens[i] for i in path] + [bonus])
-                accepted.append(len(path) + 1)
-                drafted = max(t for t in trees[b].depths)
-                if drafted:
-                    alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, len(path) / drafted))
-            commit_paths(view, list(range(n)), paths, lengths)
+                trees = drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
+                                                           req_ids), [True] * n)
+                return trees if depths is None else [_truncate(t, d) for t, d in zip(trees, depths)]
+
+            taken = step(target, view, draft, drafter if speculative else None, list(range(n)), ver, rule, req_ids,
+                         lengths, None)
+            emitted = taken.emitted
             for b in range(n):
                 roots[b] = emitted[b][-1]
-            if speculative:
-                drafter.commit(list(range(n)), paths, emitted)
-            _sync(dev)
-            t4 = time.perf_counter()
+                drafted = max(taken.trees[b].depths)
+                if drafted:
+                    alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, len(taken.paths[b]) / drafted))
             done = []
             for b in range(n):
                 out = outputs[rows[b]]
@@ -282,7 +268,6 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                     drafter.drop_last()
             t5 = time.perf_counter()
             if depths is not None:
-                policy.observe(depths, (t5 - t1) * 1e3)
-            steps.append(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, (t1 - t0 + t5 - t4) * 1e3,
-                                   sum(len(t) for t in trees), accepted))
+                policy.observe(depths, (t5 - taken.start) * 1e3)
+            steps.append(taken.stats((taken.start - t0 + t5 - taken.end) * 1e3))
     return GenerateResult(outputs, steps, time.perf_counter() - start)
