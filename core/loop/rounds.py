@@ -14,10 +14,9 @@ from typing import Any
 
 from core import memory as mem
 from core import progress
-from core.events import (AgentChunk, AgentDone, AgentStarted, CandidateFailed, CandidateProposed, Error, Evaluated,
-                         Forced, GateChecked, Gaps, NewIncumbent, Notice, RoundFinished, RoundStarted, RunFinished,
-                         RunStarted)
-from core.events import Emit
+from core.events import (AgentChunk, AgentDone, AgentStarted, CandidateFailed, CandidateProposed, Emit, Error,
+                         Evaluated, Forced, GateChecked, Gaps, NewIncumbent, Notice, RoundFinished, RoundStarted,
+                         RunFinished, RunStarted)
 from core.judge import Judge
 from core.loop.config import LoopConfig, default_workdir
 from core.loop.control import Control, Pending
@@ -107,7 +106,8 @@ class Loop(Control):
         here = sum(1 for m in memory if m.get("fingerprint") == d.fingerprint())
         last, resumed = self._resumed()
         self._finished = last
-        self.log(RunStarted(self.run_id, d.to_dict(), [cfg.agents], cfg.auto, len(memory), last or None))
+        self.log(RunStarted(self.run_id, d.to_dict(), [cfg.agents], cfg.auto, memory=len(memory),
+                            resumed_after_round=last or None))
         if cfg.resume is not None:
             self.log(Notice(f"resuming run {self.run_id} after round {last} of {cfg.rounds}"
                             + (f", from its incumbent {resumed['recipe'].splitlines()[0]}"
@@ -156,8 +156,9 @@ class Loop(Control):
             with progress.step("gap analysis"):
                 report = ctx.analyse(incumbent)
             ceiling_vs_ar = report["ceiling_tokens_per_s"] / ctx.ar_tokens_per_s if ctx.ar_tokens_per_s else None
-            self.log(Gaps(index, report["measured_tokens_per_s"], report["ceiling_tokens_per_s"], report["gaps"],
-                          report["largest_gap"]))
+            self.log(Gaps(index, measured_tokens_per_s=report["measured_tokens_per_s"],
+                          ceiling_tokens_per_s=report["ceiling_tokens_per_s"], gaps=report["gaps"],
+                          largest_gap=report["largest_gap"]))
             round_id = self.store.start_round(self.run_id, index, {k: report[k] for k in (
                 "measured_tokens_per_s", "ceiling_tokens_per_s", "gaps", "largest_gap")})
             self._checkpoint()
@@ -180,8 +181,10 @@ class Loop(Control):
                 standing = {"vs_ar": vs_ar.speedup, "vs_stock": vs_stock.speedup,
                             "interval": [vs_stock.low, vs_stock.high]}
                 incumbent, inc_ws = new, new_ws
-            inc = NewIncumbent(standing["vs_ar"], index, incumbent.to_toml(), standing["vs_stock"],
-                               standing["interval"], ceiling_vs_ar, stock_vs_ar.speedup, str(inc_ws) if inc_ws else None)
+            inc = NewIncumbent(heldout_speedup_vs_ar=standing["vs_ar"], round=index, recipe=incumbent.to_toml(),
+                               heldout_speedup_vs_stock=standing["vs_stock"], interval=standing["interval"],
+                               ceiling_speedup_vs_ar=ceiling_vs_ar, stock_speedup_vs_ar=stock_vs_ar.speedup,
+                               workspace=str(inc_ws) if inc_ws else None)
             progress.check()
             with self.log.lock, self.store.transaction():  # a finished round is stored whole, or not at all
                 self._remember(evidence, previous)
@@ -277,7 +280,8 @@ class Loop(Control):
             list(pool.map(work, range(len(agents))))
         return results
 
-    def _judge(self, judge: Judge, candidates: list[tuple[str, Any]], incumbent: Recipe, inc_ws, round_id: int) -> list[Pending]:
+    def _judge(self, judge: Judge, candidates: list[tuple[str, Any]], incumbent: Recipe, inc_ws,
+               round_id: int) -> list[Pending]:
         from core.agents.base import AgentFailure
         from core.agents.diffs import DiffError
 
@@ -298,8 +302,8 @@ class Loop(Control):
                 continue
             self.store.add_candidate(round_id, cid, out.agent, out.title, out.rationale, out.kind, out.diff,
                                      out.recipe.to_toml(), out.predicted_speedup)
-            self.log(CandidateProposed(cid, out.agent, out.title, out.rationale, out.kind, out.diff,
-                                       out.recipe.to_toml(), out.predicted_speedup))
+            self.log(CandidateProposed(cid, out.agent, out.title, rationale=out.rationale, kind=out.kind, diff=out.diff,
+                                       recipe=out.recipe.to_toml(), predicted_speedup=out.predicted_speedup))
 
             def on_gate(gate: str, passed: bool, detail: str, cid: str = cid) -> None:
                 self.store.set_gate(cid, gate, passed, detail)
@@ -329,7 +333,8 @@ class Loop(Control):
         best = max(approved, key=lambda p: p.verdict.heldout.speedup)
         choice, ws, evidence = best.recipe, self.workspace / best.cid, [best]
         if len(approved) > 1:
-            combined = combine(incumbent, [p.recipe for p in sorted(approved, key=lambda p: -p.verdict.heldout.speedup)])
+            ranked = sorted(approved, key=lambda p: -p.verdict.heldout.speedup)
+            combined = combine(incumbent, [p.recipe for p in ranked])
             if combined is not None and combined != best.recipe:
                 cid = f"{self.run_id}-r{self.round}-merge"
                 self.log(Notice(f"integrating {len(approved)} winners into one recipe; re-judging"))
