@@ -20,6 +20,13 @@ def is_rejection(entry: dict) -> bool:
     return (entry.get("evidence") or {}).get("decision") == "reject"
 
 
+def ranked(entries: list[dict], fingerprint: str | None) -> list[dict]:
+    """Entries in the order agents read them: this deployment's first, then others; each group by effect,
+    largest first (rejections, with no effect, last); ties in the order they were stored."""
+    return sorted(entries, key=lambda e: (e.get("fingerprint") != fingerprint, e.get("effect") is None,
+                                          -(e.get("effect") or 0.0), e.get("id") or 0))
+
+
 def split(entries: list[dict], run_id: int | None) -> tuple[list[dict], list[dict]]:
     """(validated mechanisms, this run's rejections) of the stored entries: another run's rejection is
     not this run's person's say."""

@@ -23,6 +23,7 @@ from sqlalchemy.orm import sessionmaker
 from sqlmodel import Session, select
 
 from core import events as ev
+from core.memory import ranked
 from core.store import tables as t
 from core.store.engine import StoreError, inspect_file, make_engines, make_read_only_engine
 from core.store.migrations import SCHEMA_VERSION, upgrade
@@ -420,5 +421,4 @@ class Store:
         """All memory entries: this deployment's first, then others; each group by effect, largest first."""
         with self._session() as s:
             rows = s.exec(select(t.MemoryEntry).order_by(t.MemoryEntry.id)).all()
-        key = (lambda r: (r.fingerprint != fingerprint, r.effect is None, -(r.effect or 0.0), r.id))
-        return [r.model_dump() for r in sorted(rows, key=key)]
+        return ranked([r.model_dump() for r in rows], fingerprint)
