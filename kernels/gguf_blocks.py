@@ -1,4 +1,4 @@
-"""GGUF weights read as stored: build, load and call the AVX2 block-format matmul (gguf_blocks.c).
+"""GGUF weights read as stored: build, load and call the AVX2 / AVX-512 block-format matmul (gguf_blocks.c).
 
 Why: a float32 copy of a quantised checkpoint reads 5-7x more bytes per token than its GGUF blocks; the C
 kernel reads each block once per call for up to 64 rows of float32 activations, so verifying several draft
@@ -42,7 +42,16 @@ def library() -> ctypes.CDLL:
     lib.gguf_matmul.restype = i
     lib.gguf_dequant_rows.argtypes = [ptr, n, i, n, ptr, n, ptr]
     lib.gguf_dequant_rows.restype = None
+    lib.gguf_isa.argtypes = [i]
+    lib.gguf_isa.restype = i
     return lib
+
+
+def isa(want: str | None = None) -> str:
+    """The product's instruction set, "avx512" (where the CPU has AVX-512F) or "avx2"; `want` selects one for
+    the process. Each is exact; their float32 sums are ordered differently (16 lanes against 8)."""
+    code = {None: -1, "avx2": 0, "avx512": 1}[want]
+    return "avx512" if library().gguf_isa(code) else "avx2"
 
 
 def available() -> bool:
