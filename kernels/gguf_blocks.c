@@ -1,11 +1,12 @@
-/* GGUF block-format matmul for CPU verification: y[M, N] = x[M, K] @ W[N, K]^T, W read as stored, AVX2 + FMA.
+/* GGUF block-format matmul for CPU verification: y[M, N] = x[M, K] @ W[N, K]^T, W read as stored; an AVX2 + FMA
+ * path for every x86-64 CPU with them, and an AVX-512F path chosen at run time where the CPU has it.
  *
  * Why: a decode step reads every weight once per token; reading the 4-6.6-bit GGUF blocks instead of float32
  * copies cuts that traffic 5-7x, and verifying several draft rows per read turns it into compute. The
  * activations stay float32 (no 8-bit quantisation of x as in llama.cpp), so the product is exact up to float32
  * summation and the dequantised weights are bit-identical to gguf-py's (kernels/gguf_ref.py).
  *
- * Layout of the work: a thread owns a contiguous range of tiles of 4 output rows. For each chunk of KC = 256
+ * Layout of the work (AVX2; the AVX-512 path below says how it differs): a thread owns a contiguous range of tiles of 4 output rows. For each chunk of KC = 256
  * values along K, the tile's 4 rows are dequantised into a 4 KB L1 scratch (each stored block is read once
  * per call, whatever M), then every group of up to 3 x rows is multiplied against it with 12 register
  * accumulators (lane-wise over k, kept in a small per-tile buffer between chunks). While a tile decodes a
@@ -237,6 +238,229 @@ static void run_tiles(const job_t *j) {
     }
 }
 
+/* ---- AVX-512 path: dequantise 16 values in registers straight into the FMAs, no scratch round trip. ----
+ * A 4-bit (or Q5_0's 5-bit) code indexes a 16-entry table of its sub-block's exact float32 weights
+ * (t[q] = d*q - m, computed in gguf-py's order), so one vpermps turns 16 codes into 16 weights; Q8_0 and Q6_K
+ * convert and scale directly. Each output's sum is 16 lane-wise partial sums over k (k mod 16, in k order),
+ * then a fixed tree: the same bits for any M, group, or thread count, though not the AVX2 path's bits. */
+#define A512 __attribute__((target("avx512f,fma,f16c")))
+#define KC5 512
+#define G5 16
+
+/* acc[g] += wv * x[g][off .. off+16) for the G x rows of this group */
+#define FMA_ROWS(wv, off)                                                                                     \
+    do {                                                                                                      \
+        __m512 w_ = (wv);                                                                                     \
+        for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(w_, _mm512_loadu_ps(x + g * ldx + (off)), acc[g]); \
+    } while (0)
+#define INL static inline __attribute__((always_inline)) A512
+
+INL __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+/* *p in all lanes, as a load (vbroadcastss from memory runs on the load ports; the compiler would otherwise
+ * turn a store-then-broadcast into vpermps on port 5, which the table lookups already keep busy) */
+INL __m512 bcast(const float *p) {
+    __m512 r;
+    __asm__("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
+    return r;
+}
+INL __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+
+INL void b5_q4_k(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
+    uint32_t u[3], sm[4];
+    memcpy(u, b + 4, 12);
+    sm[0] = u[0] & 0x3f3f3f3f;                                                 /* scales 0-3 */
+    sm[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);           /* scales 4-7 */
+    sm[2] = u[1] & 0x3f3f3f3f;                                                 /* mins 0-3 */
+    sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);    /* mins 4-7 */
+    __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b)), _mm512_set1_ps(f16(b + 2)));
+    float s[16] __attribute__((aligned(64)));
+    _mm512_store_ps(s, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(u8x16((const uint8_t *)sm)))); /* d*sc, dmin*m */
+    const uint8_t *qs = b + 16;
+    for (int c = 0; c < 4; c++) {
+        __m512 t0 = _mm512_fmsub_ps(bcast(s + 2 * c), iota16(), bcast(s + 8 + 2 * c));
+        __m512 t1 = _mm512_fmsub_ps(bcast(s + 2 * c + 1), iota16(), bcast(s + 9 + 2 * c));
+        __m512i v0 = u8x16(qs + 32 * c), v1 = u8x16(qs + 32 * c + 16);
+        FMA_ROWS(_mm512_permutexvar_ps(v0, t0), 64 * c);
+        FMA_ROWS(_mm512_permutexvar_ps(v1, t0), 64 * c + 16);
+        FMA_ROWS(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), t1), 64 * c + 32);
+        FMA_ROWS(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), t1), 64 * c + 48);
+    }
+}
+
+/* The 6-bit codes are assembled 32 at a time in byte lanes (ymm logic, which does not compete with the
+ * 512-bit FMAs for port 0), stored as q - 32 in int8, then sign-extended 16 at a time from that scratch. */
+INL void b5_q6_k(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float ds[16] __attribute__((aligned(64)));
+    int8_t q[128] __attribute__((aligned(64)));
+    _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                         _mm_loadu_si128((const __m128i *)sc)))));
+    const __m256i m0f = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    for (int h = 0; h < 2; h++) {
+        __m256i a = _mm256_loadu_si256((const __m256i *)(ql + h * 64)),
+                c = _mm256_loadu_si256((const __m256i *)(ql + h * 64 + 32)),
+                xh = _mm256_loadu_si256((const __m256i *)(qh + h * 32));
+        __m256i a4 = _mm256_and_si256(_mm256_srli_epi16(a, 4), m0f), c4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), m0f);
+        /* value h*128 + 32s + l: low four bits from a (s even) or c (s odd), bits 4-5 from xh bits 2s, 2s+1 */
+        _mm256_store_si256((__m256i *)q, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m0f),
+                                          _mm256_and_si256(_mm256_slli_epi16(xh, 4), m30)), c32));
+        _mm256_store_si256((__m256i *)(q + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m0f),
+                                          _mm256_and_si256(_mm256_slli_epi16(xh, 2), m30)), c32));
+        _mm256_store_si256((__m256i *)(q + 64), _mm256_sub_epi8(_mm256_or_si256(a4, _mm256_and_si256(xh, m30)), c32));
+        _mm256_store_si256((__m256i *)(q + 96), _mm256_sub_epi8(_mm256_or_si256(c4,
+                                          _mm256_and_si256(_mm256_srli_epi16(xh, 2), m30)), c32));
+        for (int v = 0; v < 8; v++) {
+            int e = h * 128 + 16 * v;
+            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16 * v))));
+            FMA_ROWS(_mm512_mul_ps(_mm512_set1_ps(ds[e / 16]), w), e);
+        }
+    }
+}
+
+INL void b5_q8_0(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
+    __m512 d = _mm512_set1_ps(f16(b));
+    for (int h = 0; h < 2; h++) {
+        __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
+        FMA_ROWS(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), 16 * h);
+    }
+}
+
+INL void b5_q5_0(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
+    __m512 d = _mm512_set1_ps(f16(b));
+    uint32_t qh;
+    memcpy(&qh, b + 2, 4);
+    __m512 lo = _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0f))); /* q < 16: d * (q - 16) */
+    __m512 hi = _mm512_mul_ps(d, iota16());                                       /* q >= 16 */
+    __m512i v = u8x16(b + 6), v4 = _mm512_srli_epi32(v, 4);
+    FMA_ROWS(_mm512_mask_blend_ps((__mmask16)qh, _mm512_permutexvar_ps(v, lo), _mm512_permutexvar_ps(v, hi)), 0);
+    FMA_ROWS(_mm512_mask_blend_ps((__mmask16)(qh >> 16), _mm512_permutexvar_ps(v4, lo),
+                                  _mm512_permutexvar_ps(v4, hi)), 16);
+}
+
+INL void b5_q4_1(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
+    __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(f16(b)), iota16(), _mm512_set1_ps(f16(b + 2)));
+    __m512i v = u8x16(b + 4);
+    FMA_ROWS(_mm512_permutexvar_ps(v, t), 0);
+    FMA_ROWS(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), 16);
+}
+
+/* Values [k0, k0 + len) of R stored rows against G x rows (x at value k0), accumulating into acc_r[G][16]
+ * (acc_r = accp + r * MAX_ROWS * 16). R = 4 rows interleaved block by block give a few-row product 4
+ * independent FMA chains instead of one latency-bound chain; every (row, x row) keeps its own accumulator,
+ * so R changes the speed and never the bits. */
+INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const float *x, long ldx, float *accp,
+               const int R, const int G) {
+    __m512 a[4 * G5 > 16 ? 4 * G5 : 16];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) a[r * G + g] = _mm512_load_ps(accp + (r * MAX_ROWS + g) * 16);
+#define EACH_ROW(STEP, FN)                                                                      \
+    for (long i = 0; i < len; i += STEP)                                                                      \
+        for (int r = 0; r < R; r++) {                                                                         \
+            __m512 *acc = a + r * G;                                                                          \
+            const uint8_t *row = rows[r];                                                                     \
+            FN;                                                                                               \
+        }
+    switch (qtype) {
+    case T_F32:
+        EACH_ROW(16, FMA_ROWS(_mm512_loadu_ps((const float *)row + k0 + i), i))
+        break;
+    case T_F16:
+        EACH_ROW(16, FMA_ROWS(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * (k0 + i)))), i))
+        break;
+    case T_Q4_1:
+        EACH_ROW(32, b5_q4_1(row + (k0 + i) / 32 * 20, x + i, ldx, acc, G))
+        break;
+    case T_Q5_0:
+        EACH_ROW(32, b5_q5_0(row + (k0 + i) / 32 * 22, x + i, ldx, acc, G))
+        break;
+    case T_Q8_0:
+        EACH_ROW(32, b5_q8_0(row + (k0 + i) / 32 * 34, x + i, ldx, acc, G))
+        break;
+    case T_Q4_K:
+        EACH_ROW(256, b5_q4_k(row + (k0 + i) / 256 * 144, x + i, ldx, acc, G))
+        break;
+    case T_Q6_K:
+        EACH_ROW(256, b5_q6_k(row + (k0 + i) / 256 * 210, x + i, ldx, acc, G))
+        break;
+    }
+#undef EACH_ROW
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) _mm512_store_ps(accp + (r * MAX_ROWS + g) * 16, a[r * G + g]);
+}
+
+typedef void (*rows5_fn)(int, const uint8_t *const *, long, long, const float *, long, float *);
+#define ROWS5_FN(R_, G_)                                                                                      \
+    static A512 void rows5_##R_##_##G_(int q, const uint8_t *const *r, long k0, long len, const float *x,      \
+                                       long ldx, float *a) {                                                  \
+        rows5(q, r, k0, len, x, ldx, a, R_, G_);                                                              \
+    }
+ROWS5_FN(4, 1) ROWS5_FN(4, 2) ROWS5_FN(4, 3) ROWS5_FN(4, 4)
+ROWS5_FN(1, 5) ROWS5_FN(1, 6) ROWS5_FN(1, 7) ROWS5_FN(1, 8) ROWS5_FN(1, 9) ROWS5_FN(1, 10)
+ROWS5_FN(1, 11) ROWS5_FN(1, 12) ROWS5_FN(1, 13) ROWS5_FN(1, 14) ROWS5_FN(1, 15) ROWS5_FN(1, 16)
+/* by group size: up to 4 x rows take a tile's 4 stored rows at once, more take one stored row at a time */
+static const rows5_fn ROWS5[G5 + 1] = {
+    NULL,        rows5_4_1,   rows5_4_2,   rows5_4_3,   rows5_4_4,   rows5_1_5,   rows5_1_6,
+    rows5_1_7,   rows5_1_8,   rows5_1_9,   rows5_1_10,  rows5_1_11,  rows5_1_12,  rows5_1_13,
+    rows5_1_14,  rows5_1_15,  rows5_1_16};
+
+static inline float hsum16(const float *v) {
+    float a[8], b[4];
+    for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
+    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+static void run_tiles5(const job_t *j) {
+    long block = j->qtype == T_Q4_K || j->qtype == T_Q6_K ? 256 : j->qtype <= T_F16 ? 16 : 32;
+    long bsize = j->qtype == T_Q4_K ? 144 : j->qtype == T_Q6_K ? 210 : j->qtype == T_Q4_1 ? 20
+               : j->qtype == T_Q5_0 ? 22 : j->qtype == T_Q8_0 ? 34 : j->qtype == T_F16 ? 32 : 64;
+    static __thread float acc[TILE * MAX_ROWS * 16] __attribute__((aligned(64)));
+    for (long t = j->tile_lo; t < j->tile_hi; t++) {
+        long n0 = t * TILE;
+        for (int r = 0; r < TILE; r++) memset(acc + r * MAX_ROWS * 16, 0, sizeof(float) * j->m * 16);
+        for (long k0 = 0; k0 < j->k; k0 += KC5) {
+            long len = j->k - k0 < KC5 ? j->k - k0 : KC5;
+            long at = k0 / block * bsize, span = len / block * bsize;
+            const uint8_t *rows[TILE];
+            for (int r = 0; r < TILE; r++) {
+                const char *next = (const char *)j->w + (n0 + TILE + r) * j->row_bytes + at;
+                if (n0 + TILE + r < j->n)
+                    for (long b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+                rows[r] = j->w + (n0 + r < j->n ? n0 + r : n0) * j->row_bytes; /* past the end: recomputed, unused */
+            }
+            for (long g0 = 0; g0 < j->m; g0 += G5) {
+                long g = j->m - g0 < G5 ? j->m - g0 : G5;
+                const float *x = j->x + g0 * j->ldx + k0;
+                if (g <= 4)
+                    ROWS5[g](j->qtype, rows, k0, len, x, j->ldx, acc + g0 * 16);
+                else
+                    for (int r = 0; r < TILE && n0 + r < j->n; r++)
+                        ROWS5[g](j->qtype, rows + r, k0, len, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16);
+            }
+        }
+        for (long i = 0; i < j->m; i++)
+            for (int r = 0; r < TILE && n0 + r < j->n; r++)
+                j->y[i * j->ldy + n0 + r] = hsum16(acc + (r * MAX_ROWS + i) * 16);
+    }
+}
+
+static void *run_tiles5_thread(void *arg) {
+    run_tiles5((const job_t *)arg);
+    return NULL;
+}
+
+/* -1 undecided, 0 the AVX2 path, 1 the AVX-512 path (where the CPU has it) */
+static int isa = -1;
+
+/* Select the path (want 0: AVX2, 1: AVX-512 where supported, -1: only report); returns the one in use. */
+int gguf_isa(int want) {
+    int has512 = __builtin_cpu_supports("avx512f");
+    if (want >= 0) isa = want && has512;
+    if (isa < 0) isa = has512;
+    return isa;
+}
+
 static void *run_tiles_thread(void *arg) {
     run_tiles((const job_t *)arg);
     return NULL;
@@ -258,13 +482,15 @@ int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long
     for (int t = 0; t < threads; t++) {
         jobs[t] = (job_t){x, w, y, m, ldx, n, k, row_bytes, ldy, tiles * t / threads, tiles * (t + 1) / threads, qtype};
     }
+    int wide = gguf_isa(-1) && k % 16 == 0;
+    void (*body)(const job_t *) = wide ? run_tiles5 : run_tiles;
     int started = 0;
     for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_tiles_thread, &jobs[t]) != 0) break;
+        if (pthread_create(&ids[t], NULL, wide ? run_tiles5_thread : run_tiles_thread, &jobs[t]) != 0) break;
         started = t;
     }
-    run_tiles(&jobs[0]);
-    for (int t = started + 1; t < threads; t++) run_tiles(&jobs[t]);
+    body(&jobs[0]);
+    for (int t = started + 1; t < threads; t++) body(&jobs[t]);
     for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
     return 0;
 }

@@ -44,6 +44,18 @@ def blocks_kernel():
     return gguf_blocks
 
 
+@pytest.fixture(params=["avx2", "avx512"])
+def isa(request: pytest.FixtureRequest):
+    """Each of the kernel's two paths in turn (AVX-512 only where the CPU has it), restoring the default."""
+    gb = blocks_kernel()
+    before = gb.isa()
+    if gb.isa(request.param) != request.param:
+        gb.isa(before)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    gb.isa(before)
+
+
 @pytest.mark.parametrize("q", ["Q4_1", "Q5_0", "Q8_0"])
 def test_reference_equals_gguf_on_quantized_data(q: str) -> None:
     gq = gguf_quants()
@@ -96,7 +108,7 @@ def test_real_blocks_bit_exact(model: str) -> None:
 
 
 @pytest.mark.parametrize("q", ALL)
-def test_identity_rows_reproduce_the_weights(q: str) -> None:
+def test_identity_rows_reproduce_the_weights(q: str, isa: str) -> None:
     gb = blocks_kernel()
     n, k = 11, k_for(q)
     raw = random_blocks(q, n, k, np.random.default_rng(3))
@@ -117,7 +129,7 @@ def close(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
 
 @pytest.mark.parametrize("q", QUANTS)
 @pytest.mark.parametrize("rows", [1, 3, 17, 64])
-def test_matmul_matches_the_reference(q: str, rows: int) -> None:
+def test_matmul_matches_the_reference(q: str, rows: int, isa: str) -> None:
     gb = blocks_kernel()
     n, k = 37, k_for(q)
     raw = random_blocks(q, n, k, np.random.default_rng(4))
@@ -143,20 +155,22 @@ def test_shapes_empty_batched_and_chunked() -> None:
         m(torch.randn(3, 255))
 
 
-@pytest.mark.parametrize("q", ["Q4_K", "Q8_0"])
-def test_threads_and_batch_size_do_not_change_a_bit(q: str) -> None:
+@pytest.mark.parametrize("q", ["Q4_K", "Q6_K", "Q8_0", "Q5_0"])
+def test_threads_and_batch_size_do_not_change_a_bit(q: str, isa: str) -> None:
     """Threads split output rows and every row's sum has a fixed order, so neither the thread count nor the
-    other rows in the batch change an output (what lossless verification needs)."""
+    other rows in the batch (which pick the few-row or many-row code path) change an output: what lossless
+    verification needs. 301 outputs leave a partial last tile."""
     gb = blocks_kernel()
     n, k = 301, 2048  # big enough that the kernel starts up to 4 threads for 17 rows
     m = gb.GGUFMatrix(random_blocks(q, n, k, np.random.default_rng(6)), q, n, k)
-    x = torch.randn(17, k)
+    x = torch.randn(21, k)
     one = m(x, threads=1)
     for t in (2, 3, 16):
         assert torch.equal(m(x, threads=t), one)
-    for i in (0, 5, 16):
+    for i in (0, 5, 16, 20):
         assert torch.equal(m(x[i:i + 1]), one[i:i + 1])
-    assert torch.equal(m(x[:4]), one[:4])
+    for lo, hi in ((0, 2), (0, 4), (0, 5), (3, 11), (0, 16), (0, 17)):
+        assert torch.equal(m(x[lo:hi]), one[lo:hi])
 
 
 def test_read_only_memmap_is_used_in_place(tmp_path: Path) -> None:
