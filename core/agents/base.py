@@ -75,6 +75,17 @@ def changed_fields(recipe: Recipe, base: Recipe) -> dict[str, dict[str, Any]]:
     return out
 
 
+def workspace_files(workspace: Path | None, recipe: Recipe) -> dict[str, str]:
+    """The files an agent may edit, as they are now: the incumbent recipe and the workspace's plugins (what
+    its diff is made against, and what the judge's applies gate applies it to)."""
+    files = {RECIPE_FILE: recipe.to_toml()}
+    plugin_dir = Path(workspace) / "plugins" if workspace is not None else None
+    if plugin_dir is not None and plugin_dir.is_dir():
+        for plugin in sorted(plugin_dir.glob("*.py")):
+            files[f"plugins/{plugin.name}"] = plugin.read_text()
+    return files
+
+
 def rejection_of(recipe: Recipe, incumbent: Recipe, rejected: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The rejection `recipe` repeats: one whose every changed field it changes to the same value."""
     mine = changed_fields(recipe, incumbent)
