@@ -45,6 +45,9 @@ class LoopConfig:
     time_budget_s: float | None = None  # stop before a round that would start after this much wall time
     local_agents: tuple[str, ...] | None = None  # the local agents a run may use, by name (None = all)
     resume: int | None = None  # continue this stopped or interrupted run from its last finished round
+    executor: str = "local"  # where the judge's workers run: local | ray (core/executors)
+    devices: str | None = None  # the judge's timing slots (--devices), default: the deployment's device
+    ray_address: str | None = None  # an existing Ray cluster (--ray-address), default: start a local one
 
 
 def default_workdir(db: str) -> str:
@@ -79,6 +82,9 @@ class Loop:
             require_api_key()
         from core.store import Store
 
+        from core.executors import make_executor
+
+        self.executor = make_executor(config.executor, config.deployment, config.devices, config.ray_address)
         self.store = Store(config.db)
         self.run_id: int | None = None
         self.round = 0
@@ -233,7 +239,8 @@ class Loop:
             raise
         finally:
             if self.judge is not None:
-                self.judge.close()  # the resident baseline worker
+                self.judge.close()  # the resident baseline workers
+            self.executor.close()
         self.status = "stopped" if self._stop else "finished"
         self.store.finish_run(self.run_id, self.status, summary)
         self._event("run_finished", {"run": self.run_id, "summary": summary, "status": self.status})
@@ -274,7 +281,8 @@ class Loop:
         self.ctx = ctx
         stock = deployment_stock(d.drafter is not None)
         self._state("measuring")
-        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, self._call_limit(ctx), cfg.seed)
+        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, self._call_limit(ctx), cfg.seed,
+                                   executor=self.executor)
         with progress.step("calibration"):
             calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
         self._event("notice", {"message": f"noise floor {calibration['noise_floor']:.3f} (A/A on "
@@ -433,57 +441,65 @@ class Loop:
         return results
 
     def _judge(self, judge: Judge, candidates: list[tuple[str, Any]], incumbent: Recipe, inc_ws, round_id: int) -> list[Pending]:
+        """Judge the candidates, as many at once as the judge has devices; results in candidate order."""
+        one = progress.carried(lambda item: self._judge_one(judge, item[0], item[1], incumbent, inc_ws, round_id))
+        if judge.parallel == 1:
+            judged = [one(c) for c in candidates]
+        else:
+            with ThreadPoolExecutor(max_workers=judge.parallel) as pool:
+                judged = list(pool.map(one, candidates))
+        return [p for p in judged if p is not None]
+
+    def _judge_one(self, judge: Judge, cid: str, out: Any, incumbent: Recipe, inc_ws, round_id: int) -> Pending | None:
         from core.agents.base import AgentFailure
         from core.agents.diffs import DiffError
 
-        pending = []
-        for cid, out in candidates:
-            self._checkpoint()
-            if self._stop:
-                self._event("notice", {"message": f"{cid} not judged: the run is stopping"})
-                continue
-            if isinstance(out, AgentFailure):
-                self._event("candidate_failed", {"cid": cid, "agent": out.agent, "reason": out.reason})
-                continue
-            ws = self.workspace / cid
-            try:
-                files = _checked_files(out.files)
-            except DiffError as exc:  # the applies gate: nothing outside the allow-list is ever written
-                self._event("candidate_failed", {"cid": cid, "agent": out.agent,
-                                                 "reason": f"diff did not apply: {exc}"})
-                continue
-            for rel, text in files.items():
-                path = ws / rel
-                path.parent.mkdir(parents=True, exist_ok=True)
-                path.write_text(text)
-            self.store.add_candidate(round_id, cid, out.agent, out.title, out.rationale, out.kind, out.diff,
-                                     out.recipe.to_toml(), out.predicted_speedup)
-            self._event("candidate", {"cid": cid, "agent": out.agent, "title": out.title, "rationale": out.rationale,
-                                      "kind": out.kind, "diff": out.diff, "recipe": out.recipe.to_toml(),
-                                      "predicted_speedup": out.predicted_speedup})
+        self._checkpoint()
+        if self._stop:
+            self._event("notice", {"message": f"{cid} not judged: the run is stopping"})
+            return None
+        if isinstance(out, AgentFailure):
+            self._event("candidate_failed", {"cid": cid, "agent": out.agent, "reason": out.reason})
+            return None
+        ws = self.workspace / cid
+        try:
+            files = _checked_files(out.files)
+        except DiffError as exc:  # the applies gate: nothing outside the allow-list is ever written
+            self._event("candidate_failed", {"cid": cid, "agent": out.agent,
+                                             "reason": f"diff did not apply: {exc}"})
+            return None
+        for rel, text in files.items():
+            path = ws / rel
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+        self.store.add_candidate(round_id, cid, out.agent, out.title, out.rationale, out.kind, out.diff,
+                                 out.recipe.to_toml(), out.predicted_speedup)
+        self._event("candidate", {"cid": cid, "agent": out.agent, "title": out.title, "rationale": out.rationale,
+                                  "kind": out.kind, "diff": out.diff, "recipe": out.recipe.to_toml(),
+                                  "predicted_speedup": out.predicted_speedup})
 
-            def on_gate(gate: str, passed: bool, detail: str, cid: str = cid) -> None:
-                self.store.set_gate(cid, gate, passed, detail)
-                self._event("gate", {"cid": cid, "gate": gate, "passed": passed, "detail": detail})
+        def on_gate(gate: str, passed: bool, detail: str, cid: str = cid) -> None:
+            self.store.set_gate(cid, gate, passed, detail)
+            self._event("gate", {"cid": cid, "gate": gate, "passed": passed, "detail": detail})
 
-            def on_forcing(result: dict, cid: str = cid) -> None:
-                self.store.add_forcing(cid, result)
-                keys = ("tokens", "mismatches", "rate", "near_ties", "threshold", "passed")
-                self._event("forcing", {"cid": cid, **{k: result.get(k) for k in keys}})
+        def on_forcing(result: dict, cid: str = cid) -> None:
+            self.store.add_forcing(cid, result)
+            keys = ("tokens", "mismatches", "rate", "near_ties", "threshold", "passed")
+            self._event("forcing", {"cid": cid, **{k: result.get(k) for k in keys}})
 
-            def on_evaluation(split: str, result, cid: str = cid) -> None:
-                self._event("evaluation", {"cid": cid, "split": split, "speedup": result.speedup, "low": result.low,
-                                           "high": result.high, "passed": result.passed})
+        def on_evaluation(split: str, result, cid: str = cid) -> None:
+            self._event("evaluation", {"cid": cid, "split": split, "speedup": result.speedup, "low": result.low,
+                                       "high": result.high, "passed": result.passed})
 
-            with progress.step(f"judging {cid}"):
-                verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
-            for split, samples in verdict.samples.items():
-                comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
-                self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
-                                                       "samples": samples})
-            failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
-            pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
-        return pending
+        with progress.step(f"judging {cid}"):
+            verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation,
+                                     diff=out.diff)
+        for split, samples in verdict.samples.items():
+            comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
+            self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
+                                                   "samples": samples})
+        failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
+        return Pending(cid, out.recipe, verdict.passed, failed, verdict, out)
 
     def _await_decisions(self, pending: list[Pending]) -> list[Pending]:
         waiting = [p for p in pending if p.passed]
@@ -700,7 +716,9 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
                       max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0) or 0,
                       time_budget_s=60 * args.time_budget if getattr(args, "time_budget", None) else None,
                       workdir=os.environ.get("SPECPILOT_WORKDIR") or default_workdir(db),
-                      local_agents=parse_local_agents(getattr(args, "local_agents", None)))
+                      local_agents=parse_local_agents(getattr(args, "local_agents", None)),
+                      executor=getattr(args, "executor", None) or "local", devices=getattr(args, "devices", None),
+                      ray_address=getattr(args, "ray_address", None))
 
 
 def parse_local_agents(spec: str | None) -> tuple[str, ...] | None:
