@@ -338,13 +338,13 @@ def test_a_round_on_ray_judges_both_candidates_at_once(setting, cluster, tmp_pat
 
 
 def verdicts(judge: Judge, trials: list, parallel: bool) -> list[dict]:
-    """What the store keeps of each verdict that no clock decides: gates, forcing, the requests timed."""
+    """What the store keeps of each verdict that no clock decides: gates, forcing, the tuning requests timed."""
     jobs = [lambda t=t: judge.evaluate(*t[0], **t[1]) for t in trials]
     out = in_parallel(*jobs) if parallel else [job() for job in jobs]
     return [{"gates": {g: r["passed"] for g, r in v.gates.items() if g in CLOCK_FREE},
              "details": {g: r["detail"] for g, r in v.gates.items() if g in CLOCK_FREE},
              "forcing": {k: v.forcing.get(k) for k in ("tokens", "mismatches", "rate", "near_ties", "passed")},
-             "timed": {split: [x["request"] for x in samples] for split, samples in v.samples.items()}}
+             "tuning": [x["request"] for x in v.samples["tuning"]]}  # held-out is timed if tuning passes
             for v in out]
 
 
@@ -368,5 +368,5 @@ def test_ray_stores_the_same_verdicts_as_the_local_executor(setting, cluster, mo
     assert local == remote, (local, remote)
     assert [v["gates"] for v in local] == [dict.fromkeys(CLOCK_FREE, True)] * 2
     assert "diff applies to a clean workspace" in local[1]["details"]["applies"]
-    assert all(v["timed"]["tuning"] for v in local)
+    assert all(v["tuning"] for v in local)
     assert sorted(d for _, d, _ in started[2:]) == ["ray:0", "ray:1"]
