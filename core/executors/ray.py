@@ -14,6 +14,7 @@ worker's error: the candidate fails with the reason, the run goes on.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import tempfile
 from contextlib import contextmanager
@@ -189,9 +190,15 @@ class WorkerActor:
 
     def kill(self) -> None:
         self.worker.kill()
+        self._forget_workspace()
 
     def close(self) -> None:
         self.worker.close()
+        self._forget_workspace()
+
+    def _forget_workspace(self) -> None:
+        if self.workspace is not None:
+            shutil.rmtree(self.workspace.parent, ignore_errors=True)
 
 
 def _plugin_files(workspace: str | Path | None) -> dict[str, str] | None:
