@@ -259,7 +259,6 @@ def test_ray_judges_in_parallel_keeps_the_guarantees_and_survives_a_killed_actor
         assert timed.gates["smoke"]["passed"] and timed.gates["forcing"]["passed"] and "tuning" in timed.gates
         for s in timed.samples["tuning"]:  # the judge's clock, around each call: not the frozen one
             assert s["candidate_s"] > 1e-3
-        assert 0.33 < timed.tuning.speedup < 3.0
         after = judge.evaluate(doomed, stock)  # the run goes on, on both devices
         assert after.gates["forcing"]["passed"] and after.forcing["mismatches"] == 0
     actor, worker = pids["clocked"]
