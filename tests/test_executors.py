@@ -120,9 +120,11 @@ def test_unknown_executor_is_one_line(capsys, tmp_path):
 
 @pytest.mark.parametrize("devices, says", [("cpu:99", "core 99 is not available here"),
                                            ("cuda:0", "pass --device cuda"), ("cpu:0,cpu:0", "named twice"),
-                                           ("gpu0", "expected cuda:N or cpu:CORES")])
+                                           ("gpu0", "expected cuda:N or cpu:CORES"),
+                                           ("cpu:0 --threads 2", "1 core(s) for --threads 2")])
 def test_bad_local_devices_are_one_line(capsys, tmp_path, devices, says):
-    assert says in one_line_error(capsys, "--db", str(tmp_path / "s.db"), "--devices", devices)
+    devices, *more = devices.split()
+    assert says in one_line_error(capsys, "--db", str(tmp_path / "s.db"), "--devices", devices, *more)
 
 
 def test_unreachable_ray_address_is_one_line(capsys, tmp_path):

@@ -76,6 +76,9 @@ def parse_devices(spec: str | None, deployment: Deployment) -> list[Device]:
                                 f"to judge on {base} devices")
         if base == "cpu":
             cores = _cores(rest, allowed)
+            if len(cores) < (deployment.threads or 1):
+                raise ExecutorError(f"--devices {name}: {len(cores)} core(s) for --threads {deployment.threads}; give "
+                                    "each device at least as many cores as threads (e.g. cpu:0-1,cpu:2-3)")
             devices.append(Device(name, "cpu", cores, i, device_lock(f"cpu:{','.join(map(str, cores))}")))
         else:
             devices.append(Device(name, _cuda(name, rest), None, i, device_lock(name)))
@@ -114,7 +117,8 @@ class LocalExecutor:
     def start(self, deployment: Deployment, recipe: Recipe | None, workspace: str | Path | None, device: Device,
               limit_s: float, start_limit_s: float | None) -> Worker:
         here = deployment if device.torch == deployment.device else dataclasses.replace(deployment, device=device.torch)
-        return Worker(here, recipe, workspace, limit_s, False, start_limit_s, list(device.cpus) if device.cpus else None)
+        cpus = list(device.cpus) if device.cpus else None
+        return Worker(here, recipe, workspace, limit_s, False, start_limit_s, cpus)
 
     def close(self) -> None:
         """Nothing held beyond the workers, which the judge closes."""
