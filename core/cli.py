@@ -42,6 +42,14 @@ def loop_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--resume", type=int, default=None, metavar="RUN",
                    help="continue a stopped or interrupted run after its last finished round (its own options)")
+    p.add_argument("--executor", default="local", metavar="NAME",
+                   help="where candidate workers run: local (subprocesses on this machine) or ray (actors on a Ray "
+                        "cluster; pip install 'specpilot[ray]')")
+    p.add_argument("--devices", default=None,
+                   help="the judge's devices, one A/B at a time on each: cuda:0,cuda:1 or CPU cores cpu:0,cpu:1 "
+                        "(local), or how many of the cluster's GPUs / CPU bundles (ray); default: --device")
+    p.add_argument("--ray-address", default=None, metavar="ADDR",
+                   help="HOST:PORT of a running Ray cluster's head (default: start a local one)")
 
 
 def db_path(args: argparse.Namespace) -> str:

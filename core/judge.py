@@ -1,273 +1,40 @@
 """The judge: evaluates a candidate recipe against the incumbent without ever running candidate code.
 
-Candidates run in worker subprocesses (fresh interpreters, own process group, no API keys in their
-environment) with a wall-clock limit per call (and a longer one for loading the engine); a worker that
-overruns is killed as a group. Trusted recipes (stock, autoregressive decoding, an incumbent without plugin
-code) run on one resident baseline worker that never loads a workspace. The judge times each request from
-outside the worker, alternating incumbent and candidate request by request (each request once: a candidate
-never sees a held-out prompt before it is timed), and runs token forcing itself on everything a candidate
-emitted, timed runs included: a worker's own stats and timings are never used. Gates run in order,
-cheapest first: applies -> smoke -> forcing -> tuning -> heldout. One evaluation at a time per device; on
-a CPU device every worker is pinned to the same cores.
+Candidates run in workers (core/workers.py) that an executor (core/executors) places on a device; the judge
+holds one timing slot per device and runs one A/B comparison at a time on each, so candidates are judged in
+parallel on several devices, each comparison entirely on its own. Trusted recipes (stock, autoregressive
+decoding, an incumbent without plugin code) run on the slot's resident baseline worker that never loads a
+workspace. The judge times each request from its side of the call, alternating incumbent and candidate
+request by request (each request once: a candidate never sees a held-out prompt before it is timed), and
+runs token forcing itself on everything a candidate emitted, timed runs included: a worker's own stats and
+timings are never used. Gates run in order, cheapest first: applies -> smoke -> forcing -> tuning ->
+heldout; each is one method below.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import select
-import signal
-import subprocess
-import sys
-import tempfile
+import queue
 import threading
-import time
-import weakref
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from core import progress
+from core.agents.base import PLUGIN_GLOB, RECIPE_FILE, workspace_files
+from core.agents.diffs import AllowList, DiffError, apply_edits, parse_agent_output
 from core.deployment import Deployment
 from core.events import GATES
+from core.executors import Device, Executor
+from core.executors.local import LocalExecutor, device_lock, timing_cpus
 from core.mechanisms import UnknownMechanism, check_recipe
-from core.recipe import Recipe
+from core.recipe import Recipe, RecipeError
 from core.stats import Comparison, compare, noise_floor, speedups
+from core.workers import (KEEP, SECRET_ENV, START_LIMIT_S, Bound, JudgeRequest, Worker, WorkerBase, WorkerError,
+                          WorkerTimeout, kill_workers)
 
-_DEVICE_LOCKS: dict[str, threading.Lock] = {}
-_LOCKS_GUARD = threading.Lock()
-SECRET_ENV = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
-KEEP = object()  # Worker.timed: run the worker's own recipe
-START_LIMIT_S = 300.0  # loading an engine (and importing the workspace's plugins) may take this long
-
-
-def timing_cpus(deployment: Deployment) -> list[int] | None:
-    """On a CPU deployment every worker runs on the same cores (as many as its torch threads), so both
-    sides of an A/B share them, and whatever else the machine runs, alike; without pinning, one side can
-    sit on a busier core for a whole comparison (measured on this 2-core machine under load: A/A noise
-    floors up to 0.75 unpinned, under 0.1 pinned). Other devices are left alone."""
-    if not deployment.device.startswith("cpu") or not hasattr(os, "sched_getaffinity"):
-        return None
-    allowed = sorted(os.sched_getaffinity(0))
-    return allowed[-max(1, deployment.threads or 1):]
-
-
-def device_lock(device: str) -> threading.Lock:
-    """The single timing slot of a device: two measurements never share it."""
-    with _LOCKS_GUARD:
-        return _DEVICE_LOCKS.setdefault(device, threading.Lock())
-
-
-class WorkerError(RuntimeError):
-    """A worker that crashed, refused, or answered nonsense; `worker` is the one it came from."""
-
-    worker: "Worker | None" = None
-
-
-class WorkerTimeout(WorkerError):
-    """A worker that overran its wall-clock limit (it has been killed)."""
-
-
-@dataclass
-class JudgeRequest:
-    id: str
-    index: int
-    prompt: list[int]
-    max_new_tokens: int
-
-
-_LIVE: "weakref.WeakSet[Worker]" = weakref.WeakSet()  # every worker process not yet killed
-
-
-def kill_workers() -> int:
-    """Kill every live worker of this process (a quitting dashboard that cannot wait for the loop);
-    returns how many there were."""
-    live = list(_LIVE)
-    for w in live:
-        w.kill()
-    return len(live)
-
-
-class Worker:
-    """One resident engine in a subprocess, driven over pipes; replies arrive on a private descriptor.
-
-    `start=False` only launches the process and sends `init`; call `ready()` to wait for it, so several
-    workers can load their engines at once (nothing is timed while any of them starts).
-    """
-
-    MAX_REPLY = 64 << 20  # a reply line longer than this is nonsense (a flooding candidate), not a reply
-
-    def __init__(self, deployment: Deployment, recipe: Recipe | None, workspace: str | Path | None = None,
-                 limit_s: float = 120.0, start: bool = True, start_limit_s: float | None = None,
-                 cpus: list[int] | None = None) -> None:
-        self.limit_s = limit_s
-        self.start_limit_s = start_limit_s if start_limit_s is not None else max(limit_s, START_LIMIT_S)
-        read_fd, write_fd = os.pipe()
-        env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
-        env.pop("SPECPILOT_WORKER_CPUS", None)
-        if cpus:
-            env["SPECPILOT_WORKER_CPUS"] = ",".join(map(str, cpus))
-        self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "core.worker", str(write_fd)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=self.log, pass_fds=(write_fd,),
-                                     start_new_session=True, env=env, text=True)
-        os.close(write_fd)
-        _LIVE.add(self)
-        self.reply_fd = read_fd
-        self.buffer = b""
-        self._closed = False
-        self._starting = True
-        self._send({"op": "init", "deployment": deployment.to_dict(),
-                    "recipe": recipe.to_toml() if recipe is not None else None,
-                    "workspace": str(workspace) if workspace else None})
-        if start:
-            self.ready()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def ready(self) -> "Worker":
-        """Wait for the engine to load; a worker that fails to start is killed before the error is raised."""
-        try:
-            self._receive(self.start_limit_s)
-        except WorkerError:
-            self.close()
-            raise
-        self._starting = False
-        return self
-
-    def call(self, msg: dict, timeout: float | None = None) -> dict:
-        """Send one request and wait for its reply, killing the worker if it overruns the limit."""
-        try:
-            self._send(msg)
-            return self._receive(timeout or self.limit_s)
-        except WorkerError as exc:
-            exc.worker = self
-            raise
-
-    def _send(self, msg: dict) -> None:
-        try:
-            self.proc.stdin.write(json.dumps(msg) + "\n")
-            self.proc.stdin.flush()
-        except (BrokenPipeError, OSError, ValueError):
-            self.kill()
-            raise WorkerError(f"worker exited ({self._tail()})") from None
-
-    def _receive(self, limit: float) -> dict:
-        deadline = time.monotonic() + limit
-        while b"\n" not in self.buffer:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                self.kill()
-                raise WorkerTimeout(f"worker exceeded its {limit:.0f} s limit and was killed")
-            ready, _, _ = select.select([self.reply_fd], [], [], min(left, 0.5))
-            if ready:
-                chunk = os.read(self.reply_fd, 1 << 16)
-                if not chunk:
-                    self.kill()
-                    raise WorkerError(f"worker died with exit code {self.proc.returncode} ({self._tail()})")
-                self.buffer += chunk
-                if len(self.buffer) > self.MAX_REPLY:
-                    self.kill()
-                    raise WorkerError(f"worker sent more than {self.MAX_REPLY >> 20} MiB without a reply line")
-        line, self.buffer = self.buffer.split(b"\n", 1)
-        try:
-            reply = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            self.kill()
-            raise WorkerError("worker sent a malformed reply") from None
-        if not isinstance(reply, dict):
-            self.kill()
-            raise WorkerError("worker sent a malformed reply") from None
-        if not reply.get("ok"):
-            raise WorkerError(str(reply.get("error", "unknown worker error"))[:500])
-        return reply
-
-    def timed(self, request: JudgeRequest, recipe: Recipe | None | object = KEEP) -> tuple[list[int], float]:
-        """Generate one request; the time is measured here, around the whole round trip. Only the tokens of
-        the reply are used: whatever else a worker reports (stats, timings) is never trusted. `recipe`
-        overrides the worker's own recipe for this request (None: autoregressive); the judge does that only
-        on its baseline worker, which never loads candidate code."""
-        msg = {"op": "generate", "prompt": request.prompt, "max_new_tokens": request.max_new_tokens,
-               "request_id": request.index}
-        if recipe is not KEEP:
-            msg["recipe"] = recipe.to_toml() if isinstance(recipe, Recipe) else None
-        t0 = time.perf_counter()
-        reply = self.call(msg)
-        seconds = time.perf_counter() - t0
-        tokens = reply.get("tokens")
-        if (not isinstance(tokens, list) or len(tokens) > 4 * request.max_new_tokens + 64
-                or not all(type(t) is int and t >= 0 for t in tokens)):
-            exc = WorkerError("worker returned tokens that are not a list of token ids")
-            exc.worker = self
-            raise exc
-        return tokens, seconds
-
-    def warm_up(self, request: JudgeRequest) -> None:
-        """One untimed request right before timing starts, so first-call costs (allocations, lazy init, a
-        process gone cold while the judge did other work) are never timed."""
-        self.timed(request)
-
-    @property
-    def alive(self) -> bool:
-        return not self._closed and self.proc.returncode is None
-
-    def _tail(self) -> str:
-        try:
-            self.log.seek(0)
-            lines = self.log.read().decode(errors="replace").strip().splitlines()
-        except (OSError, ValueError):
-            return "no output"
-        return lines[-1][:300] if lines else "no output"
-
-    def kill(self) -> None:
-        """Kill the worker's whole process group (whatever it spawned too), then reap it. The group is
-        signalled before the worker is reaped, so its id cannot have been reused by another process."""
-        if self.proc.returncode is None:
-            try:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-            try:
-                self.proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                pass
-        _LIVE.discard(self)
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self.proc.returncode is None and not self._starting:
-            try:
-                self.call({"op": "exit"}, timeout=10)
-            except WorkerError:
-                pass
-        self.kill()
-        try:
-            self.proc.stdin.close()
-        except (OSError, ValueError):
-            pass
-        os.close(self.reply_fd)
-        self.log.close()
-
-
-class Bound:
-    """The judge's baseline worker running one trusted recipe (None: our autoregressive decoding)."""
-
-    def __init__(self, worker: Worker, recipe: Recipe | None) -> None:
-        self.worker = worker
-        self.recipe = recipe
-
-    def timed(self, request: JudgeRequest) -> tuple[list[int], float]:
-        return self.worker.timed(request, self.recipe)
-
-    def warm_up(self, request: JudgeRequest) -> None:
-        self.worker.timed(request, self.recipe)
-
-    def close(self) -> None:
-        """The baseline stays resident for the judge's next measurement."""
+__all__ = ["Judge", "Verdict", "JudgeRequest", "Worker", "WorkerBase", "WorkerError", "WorkerTimeout", "Bound",
+           "KEEP", "SECRET_ENV", "START_LIMIT_S", "kill_workers", "device_lock", "timing_cpus", "diff_applies"]
 
 
 @dataclass
@@ -293,15 +60,48 @@ Pair = tuple[JudgeRequest, list[int]]  # a request and one output a worker emitt
 GateHook = Callable[[str, bool, str], None]
 
 
-class Judge:
-    """Gates and timing for one deployment's tuning and held-out requests.
+@dataclass
+class Slot:
+    """One device's timing slot and its resident baseline worker (started when first needed)."""
 
-    Trusted recipes (stock, autoregressive decoding, an incumbent without plugin code) run on one resident
-    baseline worker that never loads a workspace; every candidate, and any incumbent with plugin code, gets
-    a fresh worker of its own. `close()` ends the baseline worker."""
+    device: Device
+    baseline: WorkerBase | None = None
+
+
+@dataclass
+class Trial:
+    """One evaluation in flight: what is judged against what, where, and what it has shown so far."""
+
+    recipe: Recipe
+    incumbent: Recipe
+    workspace: str | Path | None
+    incumbent_workspace: str | Path | None
+    on_gate: GateHook | None = None
+    on_forcing: Callable[[dict], None] | None = None
+    on_evaluation: Callable[[str, Comparison], None] | None = None
+    diff: str | None = None
+    verdict: Verdict = field(default_factory=Verdict)
+    slot: Slot | None = None
+    cand: WorkerBase | None = None
+    inc: WorkerBase | None = None  # the incumbent's own worker, when it comes with plugin code
+    inc_ready: bool = False
+
+    def gate(self, name: str, passed: bool, detail: str) -> bool:
+        self.verdict.gates[name] = {"passed": passed, "detail": detail}
+        if self.on_gate:
+            self.on_gate(name, passed, detail)
+        return passed
+
+
+class Judge:
+    """Gates and timing for one deployment's tuning and held-out requests, on the executor's devices.
+
+    Every candidate, and any incumbent with plugin code, gets a fresh worker of its own on the slot that
+    judges it. `close()` ends the baseline workers and releases the executor."""
 
     def __init__(self, deployment: Deployment, tuning: list[JudgeRequest], heldout: list[JudgeRequest],
-                 force: Forcer, limit_s: float = 120.0, seed: int = 0, start_limit_s: float | None = None) -> None:
+                 force: Forcer, limit_s: float = 120.0, seed: int = 0, start_limit_s: float | None = None,
+                 executor: Executor | None = None) -> None:
         self.deployment = deployment
         self.tuning = tuning
         self.heldout = heldout
@@ -311,22 +111,46 @@ class Judge:
         self.seed = seed
         self.floor = 0.0
         self.stock_rate: float | None = None
-        self.lock = device_lock(deployment.device)
-        self.cpus = timing_cpus(deployment)
-        self._baseline: Worker | None = None
+        self.executor = executor if executor is not None else LocalExecutor(deployment)
+        self.slots = [Slot(d) for d in self.executor.devices]
+        self._free: "queue.Queue[Slot]" = queue.Queue()
+        for slot in self.slots:
+            self._free.put(slot)
+        self._forcing = threading.Lock()  # one reference model in this process: its passes take turns
 
-    def worker(self, recipe: Recipe | None, workspace: str | Path | None = None, start: bool = True) -> Worker:
-        return Worker(self.deployment, recipe, workspace, self.limit_s, start, self.start_limit_s, self.cpus)
+    @property
+    def parallel(self) -> int:
+        """How many candidates can be judged at once: one per device."""
+        return len(self.slots)
 
-    def _start(self, specs: list[tuple[Recipe | None, str | Path | None]], baseline: bool = False) -> list[Worker]:
-        """Start fresh workers (and the baseline worker, if asked and not running) at once: their engines load
-        in parallel, before anything is timed. All of them are ready on return, or none is left running."""
-        started: list[Worker] = []
+    def worker(self, recipe: Recipe | None, workspace: str | Path | None = None, start: bool = True,
+               slot: Slot | None = None) -> WorkerBase:
+        """A fresh worker for `recipe` on `slot`'s device (the first slot's by default)."""
+        device = (slot or self.slots[0]).device
+        w = self.executor.start(self.deployment, recipe, workspace, device, self.limit_s, self.start_limit_s)
+        return w.ready() if start else w
+
+    @contextmanager
+    def _slot(self) -> Iterator[Slot]:
+        """A free device for one measurement, held until it ends: two measurements never share a device."""
+        slot = self._free.get()
         try:
-            if baseline and (self._baseline is None or not self._baseline.alive):
-                self._baseline = self.worker(None, None, start=False)
-                started.append(self._baseline)
-            fresh = [self.worker(recipe, workspace, start=False) for recipe, workspace in specs]
+            with slot.device.lock:
+                yield slot
+        finally:
+            self._free.put(slot)
+
+    def _start(self, slot: Slot, specs: list[tuple[Recipe | None, str | Path | None]],
+               baseline: bool = False) -> list[WorkerBase]:
+        """Start fresh workers on `slot` (and its baseline worker, if asked and not running) at once: their
+        engines load in parallel, before anything is timed. All are ready on return, or none is left running."""
+        started: list[WorkerBase] = []
+        fresh: list[WorkerBase] = []
+        try:
+            if baseline and (slot.baseline is None or not slot.baseline.alive):
+                slot.baseline = self.worker(None, None, start=False, slot=slot)
+                started.append(slot.baseline)
+            fresh = [self.worker(recipe, workspace, start=False, slot=slot) for recipe, workspace in specs]
             started += fresh
             for w in started:
                 w.ready()
@@ -336,15 +160,18 @@ class Judge:
             raise
         return fresh
 
-    def _bound(self, recipe: Recipe | None) -> Bound:
-        assert self._baseline is not None
-        return Bound(self._baseline, recipe)
+    @staticmethod
+    def _bound(slot: Slot, recipe: Recipe | None) -> Bound:
+        assert slot.baseline is not None
+        return Bound(slot.baseline, recipe)
 
     def close(self) -> None:
-        """End the resident baseline worker (a later measurement starts a new one)."""
-        if self._baseline is not None:
-            self._baseline.close()
-            self._baseline = None
+        """End the resident baseline workers and release the executor (a later measurement starts anew)."""
+        for slot in self.slots:
+            if slot.baseline is not None:
+                slot.baseline.close()
+                slot.baseline = None
+        self.executor.close()
 
     def __enter__(self) -> "Judge":
         return self
@@ -362,29 +189,30 @@ class Judge:
         candidates are measured) and stock's own forcing rate on the tuning set; with `versus_ar`, also the
         incumbent's speedup over our autoregressive decoding on those requests."""
         same = incumbent.to_toml() == stock.to_toml()
-        with self.lock:
-            (fresh,) = self._start([(incumbent, None)], baseline=True)
+        with self._slot() as slot:
+            (fresh,) = self._start(slot, [(incumbent, None)], baseline=True)
             try:
                 with progress.step("A/A noise floor"):
-                    _, samples = self._ab(self._bound(incumbent), fresh, self.tuning)
+                    _, samples = self._ab(self._bound(slot, incumbent), fresh, self.tuning)
                 ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
                 self.floor = noise_floor(ratios, self.seed)
-                stock_side = fresh if same else self._bound(stock)
+                stock_side = fresh if same else self._bound(slot, stock)
                 stock_outputs = _each("stock outputs for forcing", self.tuning, stock_side.timed)
                 vs_ar = None
                 if versus_ar:
                     with progress.step("stock vs AR"):
-                        _, ar_samples = self._ab(self._bound(None), fresh, versus_ar)
+                        _, ar_samples = self._ab(self._bound(slot, None), fresh, versus_ar)
                     vs_ar = compare(speedups([s["incumbent_tps"] for s in ar_samples],
                                              [s["candidate_tps"] for s in ar_samples]), self.floor, self.seed)
             finally:
                 fresh.close()
+        with self._forcing:
             stock_forcing = self.force([r for r, _ in stock_outputs], [t for _, t in stock_outputs], stock)
-            self.stock_rate = stock_forcing["rate"]
+        self.stock_rate = stock_forcing["rate"]
         return {"noise_floor": self.floor, "aa_samples": samples, "stock_forcing": stock_forcing,
                 "incumbent_vs_ar": vs_ar}
 
-    def _rotate(self, workers: list[Worker | Bound], requests: list[JudgeRequest],
+    def _rotate(self, workers: list[WorkerBase | Bound], requests: list[JudgeRequest],
                 warm: JudgeRequest | None = None) -> tuple[list[list[dict]], list[list[Pair]]]:
         """Time every request once on every worker, rotating who goes first request by request (A B, then
         B A, ...), all of them warmed up first on `warm` (default: the first tuning request, one every
@@ -409,7 +237,7 @@ class Judge:
                 progress.advance()
         return timings, outputs
 
-    def _ab(self, incumbent: Worker | Bound, candidate: Worker | Bound,
+    def _ab(self, incumbent: WorkerBase | Bound, candidate: WorkerBase | Bound,
             requests: list[JudgeRequest]) -> tuple[list[Pair], list[dict]]:
         """Incumbent against candidate, request by request: the candidate's outputs and the paired samples."""
         (inc, cand), (_, outputs) = self._rotate([incumbent, candidate], requests)
@@ -422,7 +250,8 @@ class Judge:
         """The judge's own token forcing of a candidate's outputs; outputs it cannot even score fail."""
         requests = [r for r, _ in outputs]
         try:
-            result = dict(self.force(requests, [t for _, t in outputs], recipe))
+            with self._forcing:
+                result = dict(self.force(requests, [t for _, t in outputs], recipe))
         except Exception as exc:  # e.g. token ids outside the vocabulary, or a rule forcing cannot check
             return {"tokens": sum(r.max_new_tokens for r in requests), "mismatches": None, "rate": 1.0,
                     "near_ties": None, "threshold": self.threshold, "passed": False,
@@ -432,108 +261,134 @@ class Judge:
     def evaluate(self, recipe: Recipe, incumbent: Recipe, workspace: str | Path | None = None,
                  incumbent_workspace: str | Path | None = None, on_gate: GateHook | None = None,
                  on_forcing: Callable[[dict], None] | None = None,
-                 on_evaluation: Callable[[str, Comparison], None] | None = None) -> Verdict:
-        """Run the gates for `recipe` against `incumbent`; stops at the first failed gate.
+                 on_evaluation: Callable[[str, Comparison], None] | None = None, diff: str | None = None) -> Verdict:
+        """Run the gates for `recipe` against `incumbent` on a free device; stops at the first failed gate.
+        With `diff` (the candidate's, as shown to people), the applies gate checks that it makes exactly this
+        recipe and workspace from the incumbent's. Safe to call from several threads: one per device runs.
 
         Only the judge's own measurements decide: its timings around each round trip and its own forcing
         of every output the candidate emitted (the forcing run and the timed runs alike)."""
-        verdict = Verdict()
-
-        def gate(name: str, passed: bool, detail: str) -> bool:
-            verdict.gates[name] = {"passed": passed, "detail": detail}
-            if on_gate:
-                on_gate(name, passed, detail)
-            return passed
-
-        try:
-            check_recipe(recipe, workspace)
-        except UnknownMechanism as exc:
-            gate("applies", False, str(exc))
-            return verdict
-        gate("applies", True, "recipe validated")
-        own_worker = _has_plugins(incumbent_workspace)  # plugin code never enters the baseline worker
-        with self.lock:
-            cand = inc = None
+        trial = Trial(recipe, incumbent, workspace, incumbent_workspace, on_gate, on_forcing, on_evaluation, diff)
+        if not self._applies(trial):
+            return trial.verdict
+        with self._slot() as slot:
+            trial.slot = slot
             try:
-                try:
-                    if not own_worker and (self._baseline is None or not self._baseline.alive):
-                        self._start([], baseline=True)
-                except WorkerError as exc:
-                    gate("smoke", False, f"the judge's baseline worker failed to start, so nothing could be "
-                                         f"judged: {exc}")
-                    return verdict
-                try:
-                    cand = self.worker(recipe, workspace, start=False)
-                    if own_worker:
-                        inc = self.worker(incumbent, incumbent_workspace, start=False)
-                    cand.ready()
-                except WorkerError as exc:
-                    gate("smoke", False, f"worker failed to start: {exc}")
-                    return verdict
-                probe = self.tuning[0]
-                short = JudgeRequest(probe.id, probe.index, probe.prompt, min(8, probe.max_new_tokens))
-                tokens, _ = cand.timed(short)
-                if len(tokens) > short.max_new_tokens:
-                    gate("smoke", False, f"emitted {len(tokens)} tokens for max_new_tokens {short.max_new_tokens}")
-                    return verdict
-                gate("smoke", True, f"{len(tokens)} tokens on a short request")
-                outputs = _each("outputs for token forcing", self.tuning, cand.timed)
-                forcing = self._forced(outputs, recipe)
-                verdict.forcing = forcing
-                if on_forcing:
-                    on_forcing(forcing)
-                if not gate("forcing", forcing["passed"], forcing.get("error") or
-                            f"mismatch rate {forcing['rate']:.4f} vs threshold {forcing['threshold']:.4f}"):
-                    return verdict
-                if inc is not None:
-                    try:
-                        inc.ready()
-                    except WorkerError as exc:
-                        gate("tuning", False, f"the incumbent's worker failed to start, so nothing could be timed: "
-                                              f"{exc}")
-                        return verdict
-                incumbent_side = inc if inc is not None else self._bound(incumbent)
-                for split, requests in (("tuning", self.tuning), ("heldout", self.heldout)):
-                    with progress.step(f"{split} A/B"):
-                        timed_outputs, samples = self._ab(incumbent_side, cand, requests)
-                    verdict.samples[split] = samples
-                    check = self._forced(timed_outputs, recipe)
-                    if not check["passed"]:
-                        why = check.get("error") or (f"mismatch rate {check['rate']:.4f} vs threshold "
-                                                     f"{check['threshold']:.4f}")
-                        gate(split, False, f"the outputs timed on {split} requests fail token forcing ({why})")
-                        return verdict
-                    ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
-                    result = compare(ratios, self.floor, self.seed)
-                    setattr(verdict, split, result)
-                    if on_evaluation:
-                        on_evaluation(split, result)
-                    if not gate(split, result.passed, f"speedup {result.speedup:.3f}x [{result.low:.3f}, "
-                                                      f"{result.high:.3f}] needs low > {1 + self.floor:.3f} "
-                                                      f"(1 + noise floor {self.floor:.3f})"):
-                        return verdict
+                for gate in (self._smoke, self._forcing_gate, self._tuning, self._heldout):
+                    if not gate(trial):
+                        break
             except WorkerError as exc:
-                if exc.worker is not None and exc.worker is not cand:  # the incumbent's side, not the candidate
-                    gate(_next_gate(verdict), False, f"the incumbent's worker failed, so the candidate could not "
-                                                     f"be judged: {exc}")
-                elif isinstance(exc, WorkerTimeout):
-                    gate(_next_gate(verdict), False, str(exc))
-                else:
-                    gate(_next_gate(verdict), False, f"candidate crashed: {exc}")
+                self._crashed(trial, exc)
             finally:
-                for w in (cand, inc):
+                for w in (trial.cand, trial.inc):
                     if w is not None:
                         w.close()
-        return verdict
+        return trial.verdict
+
+    def _applies(self, t: Trial) -> bool:
+        """The diff applies to a clean workspace and makes exactly what will run; every mechanism the recipe
+        names exists (built in, or declared by the workspace's plugins). No worker is started for this."""
+        made = ""
+        if t.diff is not None:
+            try:
+                made = diff_applies(t.diff, t.recipe, t.incumbent, t.workspace, t.incumbent_workspace) + "; "
+            except (DiffError, RecipeError) as exc:
+                return t.gate("applies", False, f"diff did not apply: {exc}")
+        try:
+            check_recipe(t.recipe, t.workspace)
+        except UnknownMechanism as exc:
+            return t.gate("applies", False, str(exc))
+        return t.gate("applies", True, made + "recipe validated")
+
+    def _smoke(self, t: Trial) -> bool:
+        """The candidate's worker starts (next to the incumbent's own, if it has one, and the slot's baseline)
+        and answers a short request within max_new_tokens."""
+        assert t.slot is not None
+        own = _has_plugins(t.incumbent_workspace)  # plugin code never enters the baseline worker
+        try:
+            if not own and (t.slot.baseline is None or not t.slot.baseline.alive):
+                self._start(t.slot, [], baseline=True)
+        except WorkerError as exc:
+            return t.gate("smoke", False, f"the judge's baseline worker failed to start, so nothing could be "
+                                          f"judged: {exc}")
+        try:
+            t.cand = self.worker(t.recipe, t.workspace, start=False, slot=t.slot)
+            if own:
+                t.inc = self.worker(t.incumbent, t.incumbent_workspace, start=False, slot=t.slot)
+            t.cand.ready()
+        except WorkerError as exc:
+            return t.gate("smoke", False, f"worker failed to start: {exc}")
+        probe = self.tuning[0]
+        short = JudgeRequest(probe.id, probe.index, probe.prompt, min(8, probe.max_new_tokens))
+        tokens, _ = t.cand.timed(short)
+        if len(tokens) > short.max_new_tokens:
+            return t.gate("smoke", False, f"emitted {len(tokens)} tokens for max_new_tokens {short.max_new_tokens}")
+        return t.gate("smoke", True, f"{len(tokens)} tokens on a short request")
+
+    def _forcing_gate(self, t: Trial) -> bool:
+        """The candidate's outputs on every tuning request, forced on the reference here: lossless or out."""
+        assert t.cand is not None
+        outputs = _each("outputs for token forcing", self.tuning, t.cand.timed)
+        forcing = self._forced(outputs, t.recipe)
+        t.verdict.forcing = forcing
+        if t.on_forcing:
+            t.on_forcing(forcing)
+        return t.gate("forcing", forcing["passed"], forcing.get("error") or
+                      f"mismatch rate {forcing['rate']:.4f} vs threshold {forcing['threshold']:.4f}")
+
+    def _tuning(self, t: Trial) -> bool:
+        """Faster than the incumbent on the tuning requests, beyond the noise floor."""
+        if t.inc is not None and not t.inc_ready:
+            try:
+                t.inc.ready()
+            except WorkerError as exc:
+                return t.gate("tuning", False, f"the incumbent's worker failed to start, so nothing could be timed: "
+                                               f"{exc}")
+            t.inc_ready = True
+        return self._split(t, "tuning", self.tuning)
+
+    def _heldout(self, t: Trial) -> bool:
+        """Faster again on held-out requests, which no candidate saw before it was timed on them."""
+        return self._split(t, "heldout", self.heldout)
+
+    def _split(self, t: Trial, split: str, requests: list[JudgeRequest]) -> bool:
+        """A/B against the incumbent on `requests`; the timed outputs are forced too."""
+        assert t.slot is not None and t.cand is not None
+        incumbent_side = t.inc if t.inc is not None else self._bound(t.slot, t.incumbent)
+        with progress.step(f"{split} A/B"):
+            timed_outputs, samples = self._ab(incumbent_side, t.cand, requests)
+        t.verdict.samples[split] = samples
+        check = self._forced(timed_outputs, t.recipe)
+        if not check["passed"]:
+            why = check.get("error") or f"mismatch rate {check['rate']:.4f} vs threshold {check['threshold']:.4f}"
+            return t.gate(split, False, f"the outputs timed on {split} requests fail token forcing ({why})")
+        ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
+        result = compare(ratios, self.floor, self.seed)
+        setattr(t.verdict, split, result)
+        if t.on_evaluation:
+            t.on_evaluation(split, result)
+        return t.gate(split, result.passed, f"speedup {result.speedup:.3f}x [{result.low:.3f}, {result.high:.3f}] "
+                                            f"needs low > {1 + self.floor:.3f} (1 + noise floor {self.floor:.3f})")
+
+    @staticmethod
+    def _crashed(t: Trial, exc: WorkerError) -> None:
+        """A worker error fails the gate in flight: the incumbent's side, a timeout, or the candidate."""
+        if exc.worker is not None and exc.worker is not t.cand:  # the incumbent's side, not the candidate
+            t.gate(_next_gate(t.verdict), False, f"the incumbent's worker failed, so the candidate could not be "
+                                                 f"judged: {exc}")
+        elif isinstance(exc, WorkerTimeout):
+            t.gate(_next_gate(t.verdict), False, str(exc))
+        else:
+            t.gate(_next_gate(t.verdict), False, f"candidate crashed: {exc}")
 
     def measure(self, baseline: Recipe | None, recipe: Recipe, requests: list[JudgeRequest],
                 workspace: str | Path | None = None) -> Comparison:
         """Speedup of `recipe` (on a fresh worker with `workspace`) over `baseline` (None = our autoregressive
         decoding; on the baseline worker, which never loads a workspace: a plugin cannot slow its baseline)."""
-        with self.lock:
-            (fresh,) = self._start([(recipe, workspace)], baseline=True)
+        with self._slot() as slot:
+            (fresh,) = self._start(slot, [(recipe, workspace)], baseline=True)
             try:
-                _, samples = self._ab(self._bound(baseline), fresh, requests)
+                _, samples = self._ab(self._bound(slot, baseline), fresh, requests)
             finally:
                 fresh.close()
         ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
@@ -544,11 +399,12 @@ class Judge:
         """(speedup over our autoregressive decoding, speedup over stock) of an approved `recipe` on
         `requests`, timed in rotation: AR and stock on the baseline worker, and `recipe` too unless it
         comes with plugin code (then on a fresh worker with `workspace`)."""
-        with self.lock:
+        with self._slot() as slot:
             own = _has_plugins(workspace)
-            fresh = self._start([(recipe, workspace)] if own else [], baseline=True)
+            fresh = self._start(slot, [(recipe, workspace)] if own else [], baseline=True)
             try:
-                sides = [self._bound(None), self._bound(stock), fresh[0] if own else self._bound(recipe)]
+                sides = [self._bound(slot, None), self._bound(slot, stock),
+                         fresh[0] if own else self._bound(slot, recipe)]
                 (ar, base, new), _ = self._rotate(sides, requests)
             finally:
                 for w in fresh:
@@ -556,6 +412,30 @@ class Judge:
         rates = [[s["tps"] for s in side] for side in (ar, base, new)]
         return (compare(speedups(rates[0], rates[2]), self.floor, self.seed),
                 compare(speedups(rates[1], rates[2]), self.floor, self.seed))
+
+
+def diff_applies(diff: str, recipe: Recipe, incumbent: Recipe, workspace: str | Path | None,
+                 incumbent_workspace: str | Path | None) -> str:
+    """The applies gate's check: `diff`, applied strictly (core/agents/diffs.py) to a clean copy of what the
+    agent was given (the incumbent's recipe and plugins), makes exactly `recipe` and exactly the plugin
+    files in `workspace`, so what is judged is what people were shown. Raises DiffError saying what differs;
+    returns a one-line summary."""
+    clean = workspace_files(incumbent_workspace, incumbent)
+    edits = parse_agent_output(diff)
+    if not edits:
+        raise DiffError("the candidate's diff has no edits")
+    made = apply_edits(edits, clean, AllowList((RECIPE_FILE, PLUGIN_GLOB)))
+    if Recipe.from_toml(made[RECIPE_FILE], source=RECIPE_FILE).to_toml() != recipe.to_toml():
+        raise DiffError(f"{RECIPE_FILE}: the diff does not make the candidate's recipe")
+    there = workspace_files(workspace, incumbent)
+    there.pop(RECIPE_FILE)
+    made.pop(RECIPE_FILE)
+    for path in sorted(set(made) | set(there)):
+        if made.get(path) != there.get(path):
+            what = "is not in the workspace" if path not in there else (
+                "is in the workspace but not in the diff" if path not in made else "differs from what the diff makes")
+            raise DiffError(f"{path} {what}; only code the diff shows is judged")
+    return f"diff applies to a clean workspace ({len(edits)} edit(s))"
 
 
 def _each(name: str, requests: list[JudgeRequest], timed: Callable) -> list[Pair]:

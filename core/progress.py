@@ -12,7 +12,7 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 
 class Cancelled(Exception):
@@ -45,6 +45,7 @@ class Step:
 
 
 Report = Callable[[Step], None]
+T = TypeVar("T")
 _local = threading.local()
 
 
@@ -57,6 +58,20 @@ def reporting(report: Report, cancelled: Callable[[], bool]) -> Iterator[None]:
     finally:
         _local.report = _local.cancelled = None
         _local.stack = []
+
+
+def carried(fn: Callable[..., T]) -> Callable[..., T]:
+    """`fn`, to run in another thread as if in this one: its steps go to this thread's reporter and it
+    obeys this thread's cancellation (the judge's evaluations on several devices at once)."""
+    report, cancelled = getattr(_local, "report", None), getattr(_local, "cancelled", None)
+
+    def run(*args: object, **kwargs: object) -> T:
+        if report is None or getattr(_local, "report", None) is report:
+            return fn(*args, **kwargs)
+        with reporting(report, cancelled):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _emit(current: Step) -> None:

@@ -22,6 +22,7 @@ case "$mode" in
     exec .venv/bin/specpilot run --rounds 3 --agents local:4 --auto --headless --max-requests 8 "$@"
     ;;
   test)
+    .venv/bin/pip install --quiet -e ".[dev,ray]"  # the Ray executor's tests start a local Ray cluster
     exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
     ;;
   real)

@@ -63,6 +63,17 @@ class AgentFailure:
     reason: str
 
 
+def workspace_files(workspace: Path | None, recipe: Recipe) -> dict[str, str]:
+    """The files an agent may edit, as they are now: the incumbent recipe and the workspace's plugins (what
+    its diff is made against, and what the judge's applies gate applies it to)."""
+    files = {RECIPE_FILE: recipe.to_toml()}
+    plugin_dir = Path(workspace) / "plugins" if workspace is not None else None
+    if plugin_dir is not None and plugin_dir.is_dir():
+        for plugin in sorted(plugin_dir.glob("*.py")):
+            files[f"plugins/{plugin.name}"] = plugin.read_text()
+    return files
+
+
 class Agent(Protocol):
     """Proposes one candidate per call, streaming its text (reasoning, diff) through `on_chunk` in order."""
 

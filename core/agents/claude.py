@@ -15,7 +15,9 @@ from typing import Any, Callable
 
 import anthropic
 
-from core.agents.base import PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate
+from core.agents.base import (
+    PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate, workspace_files,
+)
 from core.agents.diffs import AllowList, DiffError, apply_edits, make_unified_diff, parse_agent_output
 from core.memory import rejection_line
 from core.recipe import Recipe, RecipeError
@@ -59,16 +61,6 @@ def require_api_key() -> str:
     if not key:
         raise MissingAPIKey("Claude agents need ANTHROPIC_API_KEY; set it or use --agents local:N")
     return key
-
-
-def workspace_files(workspace: Path, recipe: Recipe) -> dict[str, str]:
-    """The files an agent may edit, as they are now: the incumbent recipe and the workspace's plugins."""
-    files = {RECIPE_FILE: recipe.to_toml()}
-    plugin_dir = Path(workspace) / "plugins"
-    if plugin_dir.is_dir():
-        for plugin in sorted(plugin_dir.glob("*.py")):
-            files[f"plugins/{plugin.name}"] = plugin.read_text()
-    return files
 
 
 def build_system_prefix(ctx: AgentContext, files: dict[str, str]) -> str:

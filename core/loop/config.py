@@ -27,6 +27,9 @@ class LoopConfig:
     time_budget_s: float | None = None  # stop before a round that would start after this much wall time
     local_agents: tuple[str, ...] | None = None  # the local agents a run may use, by name (None = all)
     resume: int | None = None  # continue this stopped or interrupted run from its last finished round
+    executor: str = "local"  # where the judge's workers run: local | ray (core/executors)
+    devices: str | None = None  # the judge's timing slots (--devices), default: the deployment's device
+    ray_address: str | None = None  # an existing Ray cluster (--ray-address), default: start a local one
 
 
 def default_workdir(db: str) -> str:
@@ -45,7 +48,9 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
                       max_new_tokens=getattr(args, "max_new_tokens", None), seed=getattr(args, "seed", 0) or 0,
                       time_budget_s=60 * args.time_budget if getattr(args, "time_budget", None) else None,
                       workdir=os.environ.get("SPECPILOT_WORKDIR") or default_workdir(db),
-                      local_agents=parse_local_agents(getattr(args, "local_agents", None)))
+                      local_agents=parse_local_agents(getattr(args, "local_agents", None)),
+                      executor=getattr(args, "executor", None) or "local", devices=getattr(args, "devices", None),
+                      ray_address=getattr(args, "ray_address", None))
 
 
 def parse_local_agents(spec: str | None) -> tuple[str, ...] | None:

@@ -37,8 +37,10 @@ class Loop(Control):
             from core.agents.claude import require_api_key
 
             require_api_key()
+        from core.executors import make_executor
         from core.store import Store
 
+        self.executor = make_executor(config.executor, config.deployment, config.devices, config.ray_address)
         super().__init__(Store(config.db))
         self.status: str | None = None  # how the run ended: finished, stopped, failed, interrupted
         self.rejected: list[dict] = []  # this run's rejections (memory entries), given to every agent
@@ -83,7 +85,8 @@ class Loop(Control):
             raise
         finally:
             if self.judge is not None:
-                self.judge.close()  # the resident baseline worker
+                self.judge.close()  # the resident baseline workers
+            self.executor.close()
         self.status = "stopped" if self._stop else "finished"
         self.store.finish_run(self.run_id, self.status, summary)
         self.log(RunFinished(self.run_id, summary, self.status))
@@ -122,7 +125,8 @@ class Loop(Control):
         self.ctx = ctx
         stock = deployment_stock(d.drafter is not None)
         self._state("measuring")
-        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, self._call_limit(ctx), cfg.seed)
+        judge = self.judge = Judge(d, ctx.tuning, ctx.heldout, ctx.force, self._call_limit(ctx), cfg.seed,
+                                   executor=self.executor)
         with progress.step("calibration"):
             calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
         self.log(Notice(f"noise floor {calibration['noise_floor']:.3f} (A/A on "
@@ -282,49 +286,58 @@ class Loop(Control):
 
     def _judge(self, judge: Judge, candidates: list[tuple[str, Any]], incumbent: Recipe, inc_ws,
                round_id: int) -> list[Pending]:
+        """Judge the candidates, as many at once as the judge has devices; results in candidate order."""
+        one = progress.carried(lambda item: self._judge_one(judge, item[0], item[1], incumbent, inc_ws, round_id))
+        if judge.parallel == 1:
+            judged = [one(c) for c in candidates]
+        else:
+            with ThreadPoolExecutor(max_workers=judge.parallel) as pool:
+                judged = list(pool.map(one, candidates))
+        return [p for p in judged if p is not None]
+
+    def _judge_one(self, judge: Judge, cid: str, out: Any, incumbent: Recipe, inc_ws,
+                   round_id: int) -> Pending | None:
         from core.agents.base import AgentFailure
         from core.agents.diffs import DiffError
 
-        pending = []
-        for cid, out in candidates:
-            self._checkpoint()
-            if self._stop:
-                self.log(Notice(f"{cid} not judged: the run is stopping"))
-                continue
-            if isinstance(out, AgentFailure):
-                self.log(CandidateFailed(cid, out.agent, out.reason))
-                continue
-            ws = self.workspace / cid
-            try:
-                self.workspace.write(cid, out.files)
-            except DiffError as exc:  # the applies gate: nothing outside the allow-list is ever written
-                self.log(CandidateFailed(cid, out.agent, f"diff did not apply: {exc}"))
-                continue
-            self.store.add_candidate(round_id, cid, out.agent, out.title, out.rationale, out.kind, out.diff,
-                                     out.recipe.to_toml(), out.predicted_speedup)
-            self.log(CandidateProposed(cid, out.agent, out.title, rationale=out.rationale, kind=out.kind, diff=out.diff,
-                                       recipe=out.recipe.to_toml(), predicted_speedup=out.predicted_speedup))
+        self._checkpoint()
+        if self._stop:
+            self.log(Notice(f"{cid} not judged: the run is stopping"))
+            return None
+        if isinstance(out, AgentFailure):
+            self.log(CandidateFailed(cid, out.agent, out.reason))
+            return None
+        ws = self.workspace / cid
+        try:
+            self.workspace.write(cid, out.files)
+        except DiffError as exc:  # the applies gate: nothing outside the allow-list is ever written
+            self.log(CandidateFailed(cid, out.agent, f"diff did not apply: {exc}"))
+            return None
+        self.store.add_candidate(round_id, cid, out.agent, out.title, out.rationale, out.kind, out.diff,
+                                 out.recipe.to_toml(), out.predicted_speedup)
+        self.log(CandidateProposed(cid, out.agent, out.title, rationale=out.rationale, kind=out.kind, diff=out.diff,
+                                   recipe=out.recipe.to_toml(), predicted_speedup=out.predicted_speedup))
 
-            def on_gate(gate: str, passed: bool, detail: str, cid: str = cid) -> None:
-                self.store.set_gate(cid, gate, passed, detail)
-                self.log(GateChecked(cid, gate, passed, detail))
+        def on_gate(gate: str, passed: bool, detail: str, cid: str = cid) -> None:
+            self.store.set_gate(cid, gate, passed, detail)
+            self.log(GateChecked(cid, gate, passed, detail))
 
-            def on_forcing(result: dict, cid: str = cid) -> None:
-                self.store.add_forcing(cid, result)
-                self.log(Forced.from_result(cid, result))
+        def on_forcing(result: dict, cid: str = cid) -> None:
+            self.store.add_forcing(cid, result)
+            self.log(Forced.from_result(cid, result))
 
-            def on_evaluation(split: str, result, cid: str = cid) -> None:
-                self.log(Evaluated(cid, split, result.speedup, result.low, result.high, result.passed))
+        def on_evaluation(split: str, result, cid: str = cid) -> None:
+            self.log(Evaluated(cid, split, result.speedup, result.low, result.high, result.passed))
 
-            with progress.step(f"judging {cid}"):
-                verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation)
-            for split, samples in verdict.samples.items():
-                comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
-                self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
-                                                       "samples": samples})
-            failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
-            pending.append(Pending(cid, out.recipe, verdict.passed, failed, verdict, out))
-        return pending
+        with progress.step(f"judging {cid}"):
+            verdict = judge.evaluate(out.recipe, incumbent, ws, inc_ws, on_gate, on_forcing, on_evaluation,
+                                     diff=out.diff)
+        for split, samples in verdict.samples.items():
+            comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
+            self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
+                                                   "samples": samples})
+        failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
+        return Pending(cid, out.recipe, verdict.passed, failed, verdict, out)
 
     def _integrate(self, judge: Judge, approved: list[Pending], incumbent: Recipe, inc_ws):
         """One winner becomes the incumbent; several are combined and re-judged together."""
