@@ -30,6 +30,8 @@ MAX_ROWS = 64
 # rows per kernel call for wide inputs (a prompt): past 32 rows the AVX-512 path's x rows of a long K fall out
 # of L1 and a weight costs more per row (Q6_K [1536, 8960]: 0.022 ns a weight a row at 16-32 rows, 0.033 at 64)
 CHUNK_ROWS = {"avx2": MAX_ROWS, "avx512": 32}
+WIDE_ROWS = 64  # from this many rows (a prompt, not a verify step) the product goes through torch's GEMM
+SLAB_WEIGHTS = 1 << 21  # weights dequantised at a time for it (8 MB of float32: L2-sized, reused by every row)
 
 __all__ = ["GGUFMatrix", "UnsupportedBlockType", "available", "library", "bench_model"]
 
@@ -95,6 +97,8 @@ class GGUFMatrix:
         out = torch.empty(rows.shape[0], self.n, dtype=torch.float32)
         if self.k % 8:  # only F32/F16 rows can be ragged; the blocks' K is a multiple of 32
             return F.linear(rows, self.dequantize()).view(*lead, self.n)  # F32/F16 with K % 8 != 0
+        if rows.shape[0] >= WIDE_ROWS:
+            return self._wide(rows, out).view(*lead, self.n)
         t = threads or self._threads()
         step = CHUNK_ROWS[isa()]
         for m0 in range(0, rows.shape[0], step):
@@ -104,6 +108,16 @@ class GGUFMatrix:
             if rc:
                 raise RuntimeError(f"gguf_matmul rejected {self.name} [{self.n}, {self.k}] with {m} rows")
         return out.view(*lead, self.n)
+
+    def _wide(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """A prompt's many rows: dequantise the weight a slab at a time (the same exact float32 values, into a
+        buffer that stays in cache) and multiply with torch's GEMM, which runs near the core's FMA peak where
+        the block kernel, decoding for every 16 rows, does not. No copy of the weight outlives the call."""
+        step = max(1, SLAB_WEIGHTS // self.k)
+        for n0 in range(0, self.n, step):
+            n1 = min(self.n, n0 + step)
+            out[:, n0:n1] = F.linear(rows, self.rows(torch.arange(n0, n1)))
+        return out
 
     def rows(self, ids: torch.Tensor | list[int]) -> torch.Tensor:
         """Dequantised rows W[ids] (an embedding lookup): float32 [*ids.shape, K]."""

@@ -308,3 +308,24 @@ def test_triton_kernel_compiles_for_sm90_without_a_gpu() -> None:
     counts = {ln.split()[0]: int(ln.split()[1]) for ln in proc.stdout.splitlines()}
     assert len(counts) == 7
     assert counts["Q4_K"] < 100 and counts["Q6_K"] < 100  # whole-block slices, not a gather per value
+
+
+@pytest.mark.parametrize("q", ["Q4_K", "Q8_0"])
+def test_prompt_wide_products_go_through_exact_slabs(q: str) -> None:
+    """From WIDE_ROWS rows (a prompt) the weight is dequantised a slab at a time and multiplied by torch's
+    GEMM: still the exact weights (within float32 summation of the float64 product), slabs stitched in the
+    right columns; below it every row is the few-row kernel's, bit for bit."""
+    gb = blocks_kernel()
+    n, k = 300, k_for(q)
+    m = gb.GGUFMatrix(random_blocks(q, n, k, np.random.default_rng(8)), q, n, k)
+    w = m.dequantize()
+    x = torch.randn(gb.WIDE_ROWS + 1, k)
+    old = gb.SLAB_WEIGHTS
+    try:
+        gb.SLAB_WEIGHTS = 7 * k  # several slabs, the last one partial
+        wide = m(x)
+    finally:
+        gb.SLAB_WEIGHTS = old
+    assert close(wide, x, w)
+    narrow = m(x[: gb.WIDE_ROWS - 1])
+    assert torch.equal(narrow[3:4], m(x[3:4]))
