@@ -7,7 +7,7 @@ path fails in seconds instead of after the full runs.
   python3 scripts/gpu_engine_check.py OUT_DIR [--requests 32] [--repeats 2] [--batch-sizes 1,4,8,16,32]
       [--policies budget,allocate,cap] [--no-lossless]
 
-Writes OUT_DIR/lossless.json and OUT_DIR/batched.json and prints both tables (BENCHMARKS.md, "On a GPU").
+Writes OUT_DIR/lossless.json and OUT_DIR/batched.json and prints both tables (docs/RESULTS.md, "On a GPU").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ kernel (kernels/skinny.c) up to SKINNY_MAX_ROWS rows, and through oneDNN above.
 Why: a verify step multiplies a few rows by every weight, and the default BLAS (MKL) is slow at such
 GEMMs on the AVX2 development machine: over all weight matrices of the demo target (bf16 values loaded in
 float32), the skinny kernel takes 2.0-3.4x fewer milliseconds than MKL at 1-12 rows and 1.4x at 33-64
-(BENCHMARKS.md; `python -m kernels.skinny models/demo-target`). It reads each weight matrix as one
+(docs/notebook.md; `python -m kernels.skinny models/demo-target`). It reads each weight matrix as one
 sequential stream, in 16 bits when the weights are bfloat16 values (any bf16 checkpoint), which halves
 the bytes and lets the demo target's weights stay in the cache.
 
