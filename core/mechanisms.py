@@ -192,7 +192,8 @@ def check_recipe(recipe: Any, workspace: str | Path | None = None) -> None:
 
 
 STAND_INS = {"drafter": "model", "tree_policy": "chain", "draft_length": "fixed", "acceptance": "greedy",
-             "batching": "fixed", "weight_format": "native", "linear_backend": "native"}
+             "batching": "fixed", "weight_format": "native", "linear_backend": "native",
+             "drafter_format": "same"}
 
 
 def modelled(recipe: Any) -> Any:

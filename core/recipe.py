@@ -22,7 +22,7 @@ def __getattr__(name: str) -> tuple[str, ...]:
     """The built-in names of a kind, from the registry (kept under their old constant names)."""
     kinds = {"DRAFT_METHODS": "drafter", "TREE_POLICIES": "tree_policy", "SAMPLINGS": "acceptance",
              "WEIGHT_FORMATS": "weight_format", "BATCHING_POLICIES": "batching", "LINEAR_BACKENDS": "linear_backend",
-             "DRAFT_LENGTHS": "draft_length"}
+             "DRAFT_LENGTHS": "draft_length", "DRAFTER_FORMATS": "drafter_format"}
     if name in kinds:
         return builtin_names(kinds[name])
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -72,6 +72,7 @@ class VerifySection:
 class WeightsSection:
     format: str = "native"
     drafter: bool = False
+    drafter_format: str = "same"
 
 
 @dataclass
@@ -113,7 +114,7 @@ class Recipe:
         for kind, value in (("drafter", self.draft.method), ("draft_length", self.draft.length),
                             ("tree_policy", self.tree.policy), ("acceptance", self.verify.sampling),
                             ("weight_format", self.weights.format), ("linear_backend", self.runtime.linear),
-                            ("batching", self.batching.policy)):
+                            ("batching", self.batching.policy), ("drafter_format", self.weights.drafter_format)):
             try:
                 check_builtin_name(kind, value)
             except UnknownMechanism as exc:
@@ -136,6 +137,9 @@ class Recipe:
             raise RecipeError("tree.paths must list the tree's paths (lists of ranks) when tree.policy = 'static'")
         if self.weights.format == "gguf" and self.runtime.linear != "native":
             raise RecipeError("weights.format = 'gguf' runs its own block kernel; set runtime.linear = 'native'")
+        if self.weights.drafter_format != "same" and self.draft.method in ("ngram", "early_exit"):
+            raise RecipeError(f"weights.drafter_format = {self.weights.drafter_format!r} formats a drafter model; "
+                              f"draft.method {self.draft.method!r} has none: set drafter_format = 'same'")
         if self.verify.sampling == "rejection" and self.tree.policy != "chain":
             raise RecipeError("verify.sampling = 'rejection' needs tree.policy = 'chain'; "
                               "use 'seeded' sampling for trees")
@@ -274,6 +278,8 @@ def builtin(name: str) -> Recipe:
                              tree=TreeSection(policy="chain", depth=8), weights=gguf),
         "ngram-tree-gguf": Recipe(name="ngram-tree-gguf", draft=DraftSection(method="ngram", ngram_max=3),
                                   tree=TreeSection(policy="dynamic", depth=8, budget=16, topk=4), weights=gguf),
+        # the target exact on its blocks, the drafter (which only proposes) in lossy 4-bit blocks
+        "stock-gguf-q4": Recipe(name="stock-gguf-q4", weights=dataclasses.replace(gguf, drafter_format="q4")),
     })
     if name not in presets:
         raise RecipeError(f"unknown built-in recipe {name!r}; built-ins: {', '.join(presets)}, or a .toml path")
@@ -281,8 +287,7 @@ def builtin(name: str) -> Recipe:
 
 
 BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "stock-gguf", "ngram-gguf",
-            "ngram-tree-gguf", "batch-budget", "batch-allocate",
-            "batch-cap")
+            "ngram-tree-gguf", "stock-gguf-q4", "batch-budget", "batch-allocate", "batch-cap")
 
 
 def stock(has_drafter: bool = True) -> Recipe:

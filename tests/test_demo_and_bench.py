@@ -96,7 +96,9 @@ def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
     assert [c.split(":")[0] for c in curves] == [f"verify ms by nodes ({b})" for b in backends]
     assert all("1:" in c and "64:" in c for c in curves)
     drafters = [line for line in lines if line.startswith("drafter ms by width")]
-    assert [c.split(":")[0] for c in drafters] == [f"drafter ms by width ({b})" for b in backends]
-    assert all("model 1:" in c and "early_exit:" in c for c in drafters)
+    # every backend, and the drafter model in each approximate drafter format on the profiled one
+    assert [c.split(":")[0] for c in drafters] == [f"drafter ms by width ({b})" for b in
+                                                   (*backends, "native+q8", "native+q4")]
+    assert all("model 1:" in c and ("early_exit:" in c) == ("+" not in c) for c in drafters)
     assert sum(line.endswith("<- largest") for line in lines) == 1
     assert any(line.startswith("predicted ngram: ") for line in lines)

@@ -11,7 +11,7 @@ from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.claude import ClaudeAgent, MissingAPIKey
 from core.agents.diffs import apply_unified_diff
 from core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, MemoryAgent, RuntimeAgent,
-                               TreeShapeAgent, WeightFormatAgent)
+                               TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent)
 from core.agents.registry import directions, local_agents_for, make_agents, parse_agents
 from core.costmodel import trees
 from core.engine.tree import static_prefixes
@@ -192,6 +192,37 @@ def test_fails_with_reasons_when_nothing_wins(tmp_path: Path) -> None:
     assert isinstance(out, AgentFailure) and "ctx.tools is None" in out.reason
 
 
+class FormatTools(FakeTools):
+    """FakeTools whose drafter costs depend on weights.drafter_format, as the profile's curves say."""
+
+    SCALE = {"same": 1.0, "q8": 0.8, "q4": 0.5}
+
+    def __init__(self) -> None:
+        super().__init__(device="cpu")
+        self.profile.drafter_backend_curves = {"native": {"model": {1: 1.0}}, "native+q8": {"model": {1: 0.8}},
+                                               "native+q4": {"model": {1: 0.5}}}
+
+    def step_ms(self, recipe: Recipe) -> dict[str, float]:
+        step = super().step_ms(recipe)
+        return {**step, "draft": step["draft"] * self.SCALE[recipe.weights.drafter_format]}
+
+
+def test_drafter_format_agent_prices_the_measured_formats(tmp_path: Path) -> None:
+    tools = FormatTools()
+    ctx = context(tmp_path, tools=tools)
+    out, text = run(DrafterFormatAgent(), ctx)
+    out = check_candidate(out, ctx)
+    assert out.recipe.weights.drafter_format == "q4" and out.predicted_speedup > 1
+    assert "q8" in text and "q4" in text  # it streamed both options
+    ngram = builtin("stock").replace(draft={"method": "ngram"}, tree={"depth": 8})
+    out, _ = run(DrafterFormatAgent(), context(tmp_path, recipe=ngram, tools=tools))
+    assert isinstance(out, AgentFailure) and "not a drafter model" in out.reason
+    report = {"profile": {"drafter_backend_curves": tools.profile.drafter_backend_curves}}
+    assert DrafterFormatAgent.fits_report(report)
+    flat = {"native": {"model": {1: 1.0}}, "native+q4": {"model": {1: 0.95}}}  # a tiny drafter: no gain
+    assert not DrafterFormatAgent.fits_report({"profile": {"drafter_backend_curves": flat}})
+
+
 def test_memory_agent_proposes_remembered_fragments(tmp_path: Path) -> None:
     paths = [[0, 0, 0], [1]]
     memory = [
@@ -230,11 +261,12 @@ def test_registry_matches_agents_to_gaps(tmp_path: Path, monkeypatch: pytest.Mon
     names = [a.name for a in local_agents_for(report, 3, [])]
     assert names == ["drafter-choice", "runtime", "adaptive-length"]  # host: the agent that writes a plugin
     on_gpu = {**report, "probe": {"device": "cuda:0"}}
-    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "adaptive-length", "draft-length"]
+    # on a GPU the CPU-only runtime agent yields the verify gap's slot to the next agent of that gap
+    assert [a.name for a in local_agents_for(on_gpu, 3, [])] == ["drafter-choice", "weight-format", "adaptive-length"]
     memory = [{"mechanism": "m", "fragment": {"tree": {"depth": 6}}, "fingerprint": "x", "effect": 1.1}]
     assert [a.name for a in local_agents_for(report, 2, memory, builtin("stock"))] == ["memory", "drafter-choice"]
     assert local_agents_for(report, 2, memory, builtin("chain6"))[0].name == "drafter-choice"
-    assert len(local_agents_for(report, 20, [])) == 8
+    assert len(local_agents_for(report, 20, [])) == 9
     dirs = directions(report, 4)
     assert dirs[0].startswith("drafting gap (the largest): 0.90 ms/token") and dirs[3].startswith("drafting")
     dispatch = {"gaps": [{"component": "dispatch", "ms_per_token": 0.9}], "largest_gap": "dispatch"}
@@ -285,7 +317,8 @@ def test_real_cost_tools_answer_agents(real_tools: Any, tmp_path: Path) -> None:
     assert 1 <= len(static_prefixes(paths)) <= 8 and max(len(p) for p in paths) <= 4
     assert tools.accepted(static_tree_recipe(stock, paths)) >= tools.accepted(stock.replace(tree={"depth": 1}))
     assert set(tools.step_ms(stock)) == {"draft", "verify", "commit", "host"} and tools.weight_ms > 0
-    for cls in (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent, WeightFormatAgent, RuntimeAgent):
+    for cls in (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent, WeightFormatAgent, RuntimeAgent,
+                DrafterFormatAgent):
         ctx = context(tmp_path, tools=tools)
         out, text = run(cls(), ctx)
         assert "tok/s" in text or isinstance(out, AgentFailure), text

@@ -36,6 +36,7 @@ def test_every_kind_has_its_builtins_registered():
         "batching": ("fixed", "budget", "allocate", "cap"),
         "weight_format": ("native", "packed12", "gguf"),
         "linear_backend": ("native", "onednn", "skinny", "fused"),
+        "drafter_format": ("same", "q8", "q4"),
     }
     assert {k: builtin_names(k) for k in kinds()} == expected
 
@@ -44,7 +45,7 @@ def test_every_kind_has_its_builtins_registered():
     ("draft.method", "oracle", "drafter"), ("draft.length", "p_min", "draft_length"),
     ("tree.policy", "forest", "tree_policy"), ("verify.sampling", "nucleus", "acceptance"),
     ("weights.format", "gguf_q4", "weight_format"), ("runtime.linear", "mkl", "linear_backend"),
-    ("batching.policy", "greedy", "batching"),
+    ("batching.policy", "greedy", "batching"), ("weights.drafter_format", "q2", "drafter_format"),
 ])
 def test_unknown_builtin_name_names_kind_and_known_names(field, value, kind):
     section, key = field.split(".")

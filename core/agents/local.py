@@ -273,6 +273,62 @@ class DrafterChoiceAgent(LocalAgent):
                            "tokens/step; with its measured draft cost the cost model predicts {speedup:.3f}x.")
 
 
+class DrafterFormatAgent(LocalAgent):
+    """Drafting gap: the drafter model's products in approximate 8- or 4-bit blocks (weights.drafter_format,
+    kernels/q8_draft.c), priced on the profile's measured drafter curves in each format. A drafter only
+    proposes, so the output cannot change; its acceptance can, which the prediction holds at the profiled
+    rate and the judge measures on held-out requests."""
+
+    default_name = "drafter-format"
+
+    def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
+        from core.costmodel.profile import variant_key
+
+        inc = ctx.recipe
+        if inc.draft.method != "model":
+            return AgentFailure(self.name, f"the incumbent drafts with {inc.draft.method!r}, not a drafter model: "
+                                           "no drafter weights to format")
+        curves = tools.profile.drafter_backend_curves
+        key = variant_key(inc)
+        base = evaluate(tools, f"drafter format {inc.weights.drafter_format}", inc)
+        mine = curves.get(key if inc.weights.drafter_format == "same" else f"{key}+{inc.weights.drafter_format}",
+                          {}).get("model", {})
+        options = []
+        for form in ("q8", "q4"):
+            measured = curves.get(f"{key}+{form}", {}).get("model")
+            if form == inc.weights.drafter_format or not measured:
+                continue
+            points = ", ".join(f"{w} rows {measured[w]:.1f} vs {mine[w]:.1f} ms" for w in sorted(measured) if w in mine)
+            say(f"drafter forward in {form} blocks vs {inc.weights.drafter_format}: {points}")
+            option = evaluate(tools, f"drafter in {form} blocks", inc.replace(weights={"drafter_format": form}))
+            say(f"{form}: predicted {option.predicted:.0f} tok/s ({pct(option.predicted, base.predicted)}) at the "
+                "profiled acceptance")
+            options.append(option)
+        if not options:
+            return AgentFailure(self.name, f"the profile measured no other drafter format on {key}")
+        rationale = ("The drafter only proposes tokens the target verifies, so its products may be approximate "
+                     "without changing the output: {best.label} cuts its measured forward, predicted x{speedup:.3f} "
+                     "if acceptance holds (the judge measures it).")
+        return self.finish(ctx, base, options, "drafter format", say, rationale)
+
+    @staticmethod
+    def fits_report(report: dict[str, Any] | None) -> bool:
+        """Wherever the profile measured a drafter model whose one-row forward an approximate format makes at
+        least 10% cheaper (a tiny drafter, bound by per-op overhead, gains nothing from fewer bytes)."""
+        curves = ((report or {}).get("profile") or {}).get("drafter_backend_curves") or {}
+
+        def one_row(key: str) -> float | None:
+            curve = (curves.get(key) or {}).get("model") or {}
+            return curve.get(1, curve.get("1"))
+
+        for key in curves:
+            if "+" in key:
+                mine, base = one_row(key), one_row(key.split("+")[0])
+                if mine is not None and base and mine < 0.9 * base:
+                    return True
+        return False
+
+
 class WeightFormatAgent(LocalAgent):
     """Weights and verify gaps: read the checkpoint's own GGUF blocks (exact, a quarter of float32's bytes on
     a Q4_K model), priced on the profile's measured gguf forward curves; else packed12, which reads 12/16 of
@@ -788,7 +844,7 @@ BatchingAgent.needs_batch = True
 
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "acceptance": (TreeShapeAgent, DraftLengthAgent, HybridDrafterAgent),
-    "drafting": (DrafterChoiceAgent, DraftLengthAgent, AdaptiveLengthAgent, HybridDrafterAgent),
+    "drafting": (DrafterFormatAgent, DrafterChoiceAgent, DraftLengthAgent, AdaptiveLengthAgent, HybridDrafterAgent),
     "weights": (WeightFormatAgent,),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (AdaptiveLengthAgent, DraftLengthAgent, RuntimeAgent),
@@ -797,5 +853,6 @@ GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
 }
 DEFAULT_ORDER: tuple[type[LocalAgent], ...] = (TreeShapeAgent, DrafterChoiceAgent, DraftLengthAgent,
                                                  WeightFormatAgent, RuntimeAgent, BatchingAgent, AdaptiveLengthAgent,
-                                                 HybridDrafterAgent)
-KNOB_AGENTS = ("tree-shape", "drafter-choice", "draft-length", "weight-format", "runtime", "batching", "memory")
+                                                 HybridDrafterAgent, DrafterFormatAgent)
+KNOB_AGENTS = ("tree-shape", "drafter-choice", "draft-length", "weight-format", "runtime", "batching", "memory",
+               "drafter-format")

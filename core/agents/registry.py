@@ -81,7 +81,8 @@ def _pick(report: dict[str, Any] | None, n: int, with_memory: bool, only: tuple[
           skip: tuple[str, ...] = ()) -> list[type[LocalAgent]]:
     """`only`: the local agents a run may use (by name; None = all); `skip`: ones already tried this round."""
     chosen: list[type[LocalAgent]] = [MemoryAgent] if with_memory else []
-    tiers = [GAP_AGENTS.get(g["component"], ()) for g in ranked_gaps(report)]
+    tiers = [sorted(GAP_AGENTS.get(g["component"], ()), key=lambda c: not _fits(c, report))  # fitting ones first
+             for g in ranked_gaps(report)]
     for tier in range(max((len(t) for t in tiers), default=0)):
         for classes in tiers:
             if tier < len(classes) and classes[tier] not in chosen:

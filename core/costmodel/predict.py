@@ -22,7 +22,7 @@ formats only through the profile they were measured with.
 from __future__ import annotations
 
 from core.costmodel import replay as rp
-from core.costmodel.profile import Profile, interpolate, variant_key
+from core.costmodel.profile import Profile, drafter_variant_key, interpolate, variant_key
 from core.engine.engine import tree_spec
 from core.engine.tree import static_prefixes
 from core.recipe import Recipe
@@ -44,7 +44,8 @@ def on_backend(profile: Profile, kind: str, cost: dict, backend: str) -> dict:
     linear backend): each forward and the prompt prefill scaled by the ratio of the two backends' forward
     curves, timed interleaved; the per-call and per-level host work stays as profiled."""
     curves = profile.drafter_backend_curves
-    profiled = variant_key(Recipe.from_dict(profile.recipe))
+    rec = Recipe.from_dict(profile.recipe)
+    profiled = drafter_variant_key(rec) if kind == "model" else variant_key(rec)  # only a model has a format
     if backend == profiled or kind not in curves.get(backend, {}) or kind not in curves.get(profiled, {}):
         return cost
     new, old = curves[backend][kind], curves[profiled][kind]
@@ -65,7 +66,7 @@ def drafter_cost(profile: Profile, recipe: Recipe) -> dict:
         if "model" not in profile.drafters:
             raise ValueError("the profile has no measurements of a drafter model; profile a deployment with a "
                              "drafter checkpoint to predict draft.method = 'model'")
-        return on_backend(profile, "model", profile.drafters["model"], backend)
+        return on_backend(profile, "model", profile.drafters["model"], drafter_variant_key(recipe))
     layers = recipe.draft.exit_layers(profile.target_layers)
     key = recipe.draft.drafter_key(profile.target_layers)
     if key in profile.drafters:

@@ -312,6 +312,14 @@ def variant_key(recipe: Recipe) -> str:
     return "gguf" if recipe.weights.format == "gguf" else recipe.runtime.linear
 
 
+def drafter_variant_key(recipe: Recipe) -> str:
+    """Which measured drafter curves price `recipe`'s drafter model: the target's variant, plus the drafter's
+    own format when it has one ("gguf+q4")."""
+    key = variant_key(recipe)
+    form = recipe.weights.drafter_format
+    return key if form == "same" else f"{key}+{form}"
+
+
 def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
     """The recipe under every linear backend (with a non-gguf weight format), and with gguf weights (target
     and drafter) when the checkpoint came from a GGUF file: the alternatives the cost model prices."""
@@ -321,11 +329,37 @@ def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
     out = {}
     for backend in LINEAR_BACKENDS:
         try:
-            out[backend] = recipe.replace(weights={"format": fmt}, runtime={"linear": backend})
+            out[backend] = recipe.replace(weights={"format": fmt, "drafter_format": "same"}, runtime={"linear": backend})
         except RecipeError:
             continue
     if source(engine.target_dir) is not None:
-        out["gguf"] = recipe.replace(weights={"format": "gguf", "drafter": True}, runtime={"linear": "native"})
+        out["gguf"] = recipe.replace(weights={"format": "gguf", "drafter": True, "drafter_format": "same"},
+                                     runtime={"linear": "native"})
+    return out
+
+
+def drafter_format_variants(engine: Engine, recipe: Recipe, keys: list[str]) -> dict[str, Recipe]:
+    """For each target variant in `keys`, the recipe with its drafter model in every approximate drafter
+    format that fits in a quarter of the memory available ("gguf+q4": gguf target, 4-bit drafter)."""
+    from core.engine.memory import available_bytes
+    from core.mechanisms import builtin_names
+
+    if engine.drafter_model is None or recipe.draft.method != "model":
+        return {}
+    avail = available_bytes()
+    options = variants(engine, recipe)
+    out = {}
+    for key in keys:
+        for form in builtin_names("drafter_format"):
+            if form == "same" or key not in options:
+                continue
+            try:
+                variant = options[key].replace(weights={"drafter_format": form})
+            except RecipeError:
+                continue
+            if avail is not None and engine.packed_bytes(variant) > avail / 4:
+                continue
+            out[f"{key}+{form}"] = variant
     return out
 
 
@@ -349,6 +383,15 @@ def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
     return targets
 
 
+def _distinct(models: dict[str, Transformer]) -> dict[str, Transformer]:
+    """The first key of each distinct model object (one forward curve per model, however many keys)."""
+    out: dict[str, Transformer] = {}
+    for key, model in models.items():
+        if all(m is not model for m in out.values()):
+            out[key] = model
+    return out
+
+
 def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
             run: RunStats | None = None, request_ids: list[int] | None = None, repeats: int = 7) -> Profile:
     """Profile `recipe` on the requests (timing them unless `run` is given) and measure the cost curves."""
@@ -366,7 +409,9 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     context = max(1, round(prompt_len + out_len / 2))
     context = min(context, target.cfg.max_position_embeddings - max(NODES) - 2)
     targets = backend_targets(engine, recipe)
-    curves = forward_curves({**targets, DISPATCH: without_products(target)}, context, NODES, repeats)
+    curves = forward_curves({**_distinct(targets), DISPATCH: without_products(target)}, context, NODES, repeats)
+    for key, model in targets.items():  # variants sharing one target model share its curve
+        curves.setdefault(key, curves[next(k for k, m in targets.items() if m is model)])
     dispatch = curves.pop(DISPATCH)
     weights = weight_bytes(target)
     fewest = min(weight_bytes(t) for t in targets.values())
@@ -397,9 +442,11 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     for kind, model in drafter_models(engine, recipe).items():
         prof.drafters[kind] = drafter_costs(model, context, prompt, widths, repeats, dynamic)
     if prof.drafters:
-        options = variants(engine, recipe)
-        drafters = {f"{key}|{kind}": model for key in curves
-                    for kind, model in drafter_models(engine, options[key]).items()}
+        own = [k for k in (variant_key(recipe), "gguf") if k in curves]  # not every backend: each is a copy
+        options = {**variants(engine, recipe), **drafter_format_variants(engine, recipe, own)}
+        drafters = {f"{key}|{kind}": model for key in [*curves, *(k for k in options if k not in curves)]
+                    for kind, model in drafter_models(engine, options[key]).items()
+                    if key in curves or kind == "model"}
         timed = forward_curves(drafters, context, DRAFTER_WIDTHS, repeats)
         for key, curve in timed.items():
             backend, kind = key.split("|", 1)

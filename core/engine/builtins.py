@@ -81,6 +81,15 @@ from core.mechanisms import register
 
 register("weight_format", "same", lambda model, source, recipe: model)''')
 
+define_kind("drafter_format", "weights.drafter_format", '''
+fn(drafter: core.engine.model.Transformer) -> Transformer
+The drafter model (after weights.format and runtime.linear) with its projections and LM head in a cheaper
+form. A drafter only proposes tokens that the target verifies, so this format may be approximate: the output
+cannot change, only how many drafts are accepted.''', '''
+from core.mechanisms import register
+
+register("drafter_format", "as_is", lambda drafter: drafter)''')
+
 define_kind("linear_backend", "runtime.linear", '''
 fn(model: core.engine.model.Transformer, skinny: Callable[[], Transformer]) -> Transformer
 A copy of `model` whose projections run on this backend (`skinny()` returns the cached skinny-backend
@@ -212,6 +221,20 @@ def _gguf(model: Any, source: str | None, recipe: Any) -> Any:
 
 
 register("weight_format", "gguf", _gguf, "a GGUF checkpoint's own quantised blocks, dequantised exactly in the kernel")
+
+
+def _drafter_blocks(bits: int) -> Callable[[Any], Any]:
+    def convert(drafter: Any) -> Any:
+        from core.engine.draft_format import quantised_drafter
+
+        return quantised_drafter(drafter, bits)
+
+    return convert
+
+
+register("drafter_format", "same", lambda drafter: drafter, "the drafter as weights.format and weights.drafter leave it")
+register("drafter_format", "q8", _drafter_blocks(8), "approximate 8-bit drafter weights and activations (Q8_0 dot products)")
+register("drafter_format", "q4", _drafter_blocks(4), "approximate 4-bit drafter weights (Q4_0) with 8-bit activations")
 
 
 def _backend(name: str) -> Callable[[Any, Callable[[], Any]], Any]:

@@ -83,12 +83,23 @@ class Engine:
             target = self._on_backend(fmt, target, backend)
             if drafter is not None:
                 drafter = self._on_backend(f"{fmt}:drafter", drafter, backend)
+        form = recipe.weights.drafter_format
+        if form != "same" and drafter is not None:
+            exact = drafter
+            drafter = self._converted(self._drafter_key(recipe), lambda: lookup("drafter_format", form)(exact))
         return target, drafter
+
+    @staticmethod
+    def _drafter_key(recipe: Recipe) -> str:
+        """Cache key of the drafter model in the recipe's drafter format."""
+        w = recipe.weights
+        return f"{w.format}:{w.drafter}+{recipe.runtime.linear}:drafter:{w.drafter_format}"
 
     def packed_bytes(self, recipe: Recipe) -> int:
         """Private memory the recipe's weight format and linear backend would add (copies not yet built):
         packed12 keeps ~1.6 bytes per weight; onednn 4 (float32); skinny and fused 8 (skinny's panels plus
-        oneDNN's copy for wide steps). gguf and native read memory-mapped weights: nothing."""
+        oneDNN's copy for wide steps); a q8/q4 drafter format 1.125/0.5625 of the drafter's. gguf and native
+        read memory-mapped weights: nothing."""
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         target = sum(m.numel() for m in self.target.matrices())
         drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
@@ -97,6 +108,11 @@ class Engine:
             needed += 1.6 * (target + (drafter if recipe.weights.drafter else 0))
         if backend != "native" and f"{fmt}+{backend}" not in self._models:
             needed += {"onednn": 4.0, "skinny": 8.0, "fused": 8.0}.get(backend, 0.0) * (target + drafter)
+        form = recipe.weights.drafter_format
+        if form in ("q8", "q4") and self._drafter_key(recipe) not in self._models:
+            from core.engine.draft_format import BYTES_PER_WEIGHT
+
+            needed += BYTES_PER_WEIGHT[int(form[1:])] * drafter
         return int(needed)
 
     def _budget(self, recipe: Recipe) -> None:
@@ -105,7 +121,8 @@ class Engine:
         if needed:
             from core.engine.memory import require
 
-            require(needed, f"weights.format = {recipe.weights.format!r} with runtime.linear = "
+            require(needed, f"weights.format = {recipe.weights.format!r} (drafter_format = "
+                            f"{recipe.weights.drafter_format!r}) with runtime.linear = "
                             f"{recipe.runtime.linear!r}",
                     "use runtime.linear = 'native' (memory-mapped, shared) or a smaller model")
 
@@ -126,7 +143,7 @@ class Engine:
         target, drafter_model = self.models_for(recipe)
         d = recipe.draft
         key = (d.method, d.exit_layer, d.ngram_max, recipe.weights.format, recipe.weights.drafter,
-               recipe.runtime.linear)
+               recipe.weights.drafter_format, recipe.runtime.linear)
         if key in self._drafters:
             return self._drafters[key]
         drafter: Drafter = lookup("drafter", d.method)(self, recipe, target, drafter_model)
@@ -153,7 +170,8 @@ class Engine:
         target, _ = self.models_for(recipe)
         drafter = self.drafter_for(recipe)
         d = recipe.draft
-        key = (recipe.weights.format, recipe.weights.drafter, recipe.runtime.linear, d.method, d.exit_layer)
+        key = (recipe.weights.format, recipe.weights.drafter, recipe.weights.drafter_format, recipe.runtime.linear,
+               d.method, d.exit_layer)
         table = self._tables.setdefault(key, CostTable())
         missing = sorted(set(batch_sizes) - {r for r, _ in table.verify})
         if missing:
