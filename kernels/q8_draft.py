@@ -119,10 +119,10 @@ class Q8Matrix:
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None,
                  wide: Callable[[torch.Tensor], torch.Tensor] | None = None, threads: int | None = None,
-                 bits: int = 8) -> None:
+                 bits: int = 8, packed: dict[str, torch.Tensor] | None = None) -> None:
         self.n, self.k = int(weight.shape[0]), int(weight.shape[1])
         self.bits = bits
-        self.packed = quantize(weight, bits)
+        self.packed = packed if packed is not None else quantize(weight, bits)  # given: shared with another copy
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.wide = wide
         self.threads = threads

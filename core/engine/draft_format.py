@@ -16,12 +16,15 @@ from core.engine.config import ModelLoadError
 from core.engine.model import Transformer
 
 BYTES_PER_WEIGHT = {8: 1 + 4 / 32, 4: 0.5 + 2 / 32}  # the values plus each 32-block's scale
+# (weight, blocks) by (id(weight), bits): the drafter's copies on different target formats or backends (the
+# cost model profiles several) share one set of blocks; their exact fallbacks differ
+_PACKED: dict[tuple[int, int], tuple[object, dict]] = {}
 
 
 def quantised_drafter(model: Transformer, bits: int) -> Transformer:
     """A copy of the drafter `model` whose projections and LM head multiply by `bits`-bit blocks of its
     weights (quantised once here, from the float weights the model was loaded with)."""
-    from kernels.q8_draft import Q8Matrix, available
+    from kernels.q8_draft import Q8Matrix, available, quantize
 
     fmt = f"q{bits}"
     if model.device.type != "cpu":
@@ -32,7 +35,10 @@ def quantised_drafter(model: Transformer, bits: int) -> Transformer:
                              "here (no C compiler or no AVX2/FMA): use drafter_format = 'same'")
 
     def blocks(weight, bias, exact) -> Q8Matrix:
-        return Q8Matrix(weight, bias, wide=exact, bits=bits)
+        key = (id(weight), bits)
+        if key not in _PACKED:  # the weight is kept with its blocks, so its id cannot be reused
+            _PACKED[key] = (weight, quantize(weight, bits))
+        return Q8Matrix(weight, bias, wide=exact, bits=bits, packed=_PACKED[key][1])
 
     layers = [replace(layer, qkv=blocks(layer.raw["qkv"], layer.raw.get("qkv_bias"), layer.qkv),
                       o=blocks(layer.raw["o"], None, layer.o), gate_up=blocks(layer.raw["gate_up"], None, layer.gate_up),
