@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import tiny_models
-from core.engine import Engine
+from core.engine import Engine, draft_format
 from core.recipe import Recipe, RecipeError
 
 q8_draft = pytest.importorskip("kernels.q8_draft")
@@ -113,12 +113,35 @@ def test_a_lossy_drafter_leaves_the_output_identical_to_transformers(pair, form)
         assert any(a > 0 for s in ours.steps for a in s.accepted)
 
 
+def test_a_big_vocabulary_is_drafted_from_its_first_ids(tiny_pair, monkeypatch, one_thread):
+    """Over 2 * HEAD_VOCAB ids the drafting head computes the first HEAD_VOCAB and end of sequence only: the
+    others are -inf (never drafted), the kept ones are the q4 product of their rows; the output is still
+    transformers'."""
+    target_dir, drafter_dir, reference = tiny_pair
+    monkeypatch.setattr(draft_format, "HEAD_VOCAB", 40)
+    engine = Engine.load(target_dir, drafter_dir)
+    engine.drafter_model.cfg.eos_token_ids = [97]
+    recipe = Recipe.from_dict({"weights": {"drafter_format": "q4"}})
+    _, drafter = engine.models_for(recipe)
+    head = drafter.lm_head
+    assert isinstance(head, draft_format.VocabHead) and head.keep.tolist() == [*range(40), 97]
+    x = torch.randn(2, engine.drafter_model.cfg.hidden_size)
+    logits = head(x)
+    assert logits.shape == (2, 101)
+    assert torch.isinf(logits[:, 40:97]).all() and torch.isinf(logits[:, 98:]).all()
+    rows = q8_draft.Q8Matrix(engine.drafter_model.lm_head_weight[head.keep], bits=4)
+    assert torch.allclose(logits[:, head.keep], q8_draft.reference(x, rows.packed), rtol=1e-5, atol=1e-4)
+    for p in tiny_models.repeating_prompts([14, 9], seed=4):
+        assert engine.generate([p], 16, recipe).tokens[0] == tiny_models.hf_greedy(reference, p, 16)
+
+
 def test_the_drafter_copy_is_budgeted_before_it_is_built(tiny_pair):
     target_dir, drafter_dir, _ = tiny_pair
     engine = Engine.load(target_dir, drafter_dir)
     weights = sum(m.numel() for m in engine.drafter_model.matrices())
     q4 = Recipe.from_dict({"weights": {"drafter_format": "q4"}})
-    assert engine.packed_bytes(q4) == int(weights * (0.5 + 2 / 32))
+    bf16 = draft_format.BF16_BYTES if draft_format.fast_bf16() else 0.0  # the prompt's copy on an AMX CPU
+    assert engine.packed_bytes(q4) == int(weights * (0.5 + 2 / 32 + bf16))
     assert engine.packed_bytes(Recipe()) == 0
 
 

@@ -443,8 +443,9 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         prof.drafters[kind] = drafter_costs(model, context, prompt, widths, repeats, dynamic)
     if prof.drafters:
         own = [k for k in (variant_key(recipe), "gguf") if k in curves]  # not every backend: each is a copy
-        options = {**variants(engine, recipe), **drafter_format_variants(engine, recipe, own)}
-        drafters = {f"{key}|{kind}": model for key in [*curves, *(k for k in options if k not in curves)]
+        formats = drafter_format_variants(engine, recipe, own)
+        options = {**variants(engine, recipe), **formats}
+        drafters = {f"{key}|{kind}": model for key in [*curves, *formats]  # the measured targets' variants only
                     for kind, model in drafter_models(engine, options[key]).items()
                     if key in curves or kind == "model"}
         timed = forward_curves(drafters, context, DRAFTER_WIDTHS, repeats)

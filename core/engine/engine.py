@@ -98,8 +98,8 @@ class Engine:
     def packed_bytes(self, recipe: Recipe) -> int:
         """Private memory the recipe's weight format and linear backend would add (copies not yet built):
         packed12 keeps ~1.6 bytes per weight; onednn 4 (float32); skinny and fused 8 (skinny's panels plus
-        oneDNN's copy for wide steps); a q8/q4 drafter format 1.125/0.5625 of the drafter's. gguf and native
-        read memory-mapped weights: nothing."""
+        oneDNN's copy for wide steps); a q8/q4 drafter format 1.125/0.5625 of the drafter's (plus 2 for its
+        bfloat16 prompt copy on an AMX CPU). gguf and native read memory-mapped weights: nothing."""
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         target = sum(m.numel() for m in self.target.matrices())
         drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
@@ -110,9 +110,9 @@ class Engine:
             needed += {"onednn": 4.0, "skinny": 8.0, "fused": 8.0}.get(backend, 0.0) * (target + drafter)
         form = recipe.weights.drafter_format
         if form in ("q8", "q4") and self._drafter_key(recipe) not in self._models:
-            from core.engine.draft_format import BYTES_PER_WEIGHT
+            from core.engine.draft_format import BF16_BYTES, BYTES_PER_WEIGHT, fast_bf16
 
-            needed += BYTES_PER_WEIGHT[int(form[1:])] * drafter
+            needed += (BYTES_PER_WEIGHT[int(form[1:])] + (BF16_BYTES if fast_bf16() else 0.0)) * drafter
         return int(needed)
 
     def _budget(self, recipe: Recipe) -> None:
