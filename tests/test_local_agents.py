@@ -329,5 +329,16 @@ def test_real_cost_tools_answer_agents(real_tools: Any, tmp_path: Path) -> None:
             assert out.reason and "Error" not in out.reason, out.reason
 
 
+def test_cost_tools_replay_a_plugin_incumbents_drafter_with_stand_ins(real_tools: Any) -> None:
+    """A round whose incumbent carries a plugin (the loop never imports candidate code) still replays its
+    drafter model: the knob agents of the real pair's second round failed on this."""
+    from core.costmodel.tools import CostTools
+
+    tools = real_tools
+    plugged = builtin("stock").replace(draft={"length": "plugin:adaptive_w2_m0"})
+    again = CostTools(tools.engine, plugged, tools.report, tools._prompts, tools._limits)
+    assert again.accepted(plugged) == pytest.approx(tools.accepted(builtin("stock")))
+
+
 def static_tree_recipe(recipe: Recipe, paths: list[list[int]]) -> Recipe:
     return recipe.replace(tree={"policy": "static", "paths": paths})

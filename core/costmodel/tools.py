@@ -92,7 +92,8 @@ class CostTools:
             if key == "ngram":
                 made = rp.ngram_replay(traces, ngram_max)
             elif key == "model":
-                made = rp.teacher_force(self.engine.models_for(self.incumbent)[1], traces, "model", self._verification)
+                drafter = self.engine.models_for(_modelled(self.incumbent))[1]  # a plugin incumbent: stand-ins
+                made = rp.teacher_force(drafter, traces, "model", self._verification)
             else:
                 layers = int(key.split(":")[1])
                 made = rp.teacher_force(self.engine.target.truncated(layers), traces, "early_exit", self._verification)
