@@ -10,6 +10,7 @@ the CPU has AMX, else on the drafter's exact projections, both cheaper per row t
 
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -28,6 +29,7 @@ _PACKED: dict[tuple[int, int], tuple[object, dict]] = {}
 HEAD_VOCAB = 1 << 16  # a big vocabulary's drafting head keeps its first ids (BPE ranks: the frequent ones)
 
 
+@functools.lru_cache(maxsize=1)
 def fast_bf16() -> bool:
     """Whether bfloat16 matmuls have hardware here (AMX): a prompt's drafter products then run in bfloat16,
     6x torch's float32 GEMM on this Xeon (480 against 93 GFMA/s, one core); elsewhere they stay exact."""
@@ -47,12 +49,16 @@ class VocabHead:
     def __init__(self, weight, keep: torch.Tensor, make) -> None:
         self.vocab = int(weight.shape[0])
         self.keep = keep
+        self.first = int(HEAD_VOCAB)  # keep = the first ids, then the end-of-sequence ids above them
+        self.ends = keep[self.first:]
         self.rows = make(weight[keep])
         self.nbytes = self.rows.nbytes
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        out = x.new_full((*x.shape[:-1], self.vocab), float("-inf"), dtype=torch.float32)
-        out[..., self.keep] = self.rows(x).float()
+        y = self.rows(x).float()
+        out = y.new_full((*x.shape[:-1], self.vocab), float("-inf"))
+        out[..., : self.first] = y[..., : self.first]  # a contiguous copy, not a 65,536-index scatter
+        out[..., self.ends] = y[..., self.first:]
         return out.to(x.dtype)
 
 
