@@ -23,14 +23,13 @@
  * ((v0+v4)+(v1+v5)) + ((v2+v6)+(v3+v7)): the same bits for any M, group, or thread count.
  */
 #include <immintrin.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <string.h>
 
 #define KC 256
 #define TILE 4
 #define MAX_ROWS 64
-#define MIN_WORK_PER_THREAD (1L << 20) /* weights (x rows, up to 8) that take longer than starting a thread */
+#define MIN_WORK_PER_THREAD (1L << 20) /* weights (x rows, up to 8) worth waking a thread for */
 
 enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
 
@@ -449,11 +448,6 @@ static void run_tiles5(const job_t *j) {
     }
 }
 
-static void *run_tiles5_thread(void *arg) {
-    run_tiles5((const job_t *)arg);
-    return NULL;
-}
-
 /* -1 undecided, 0 the AVX2 path, 1 the AVX-512 path (where the CPU has it) */
 static int isa = -1;
 
@@ -465,36 +459,25 @@ int gguf_isa(int want) {
     return isa;
 }
 
-static void *run_tiles_thread(void *arg) {
-    run_tiles((const job_t *)arg);
-    return NULL;
-}
-
 /* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W n stored rows of row_bytes; 1 <= m <= 64,
  * k a multiple of the block size and of 8. Returns 0, or -1 for bad arguments. */
 int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long k, long row_bytes, int qtype, float *y,
                 long ldy, int threads) {
     if (m < 1 || m > MAX_ROWS || k % 8 || !gguf_supported(qtype)) return -1;
     long tiles = (n + TILE - 1) / TILE;
-    long per_thread = MIN_WORK_PER_THREAD / (m < 8 ? m : 8) + 1; /* weights per thread worth its start-up */
+    long per_thread = MIN_WORK_PER_THREAD / (m < 8 ? m : 8) + 1; /* weights per thread worth waking it */
     if (threads > n * k / per_thread) threads = (int)(n * k / per_thread);
     if (threads < 1) threads = 1;
     if (threads > tiles) threads = (int)(tiles ? tiles : 1);
     job_t jobs[64];
-    pthread_t ids[64];
     if (threads > 64) threads = 64;
     for (int t = 0; t < threads; t++) {
         jobs[t] = (job_t){x, w, y, m, ldx, n, k, row_bytes, ldy, tiles * t / threads, tiles * (t + 1) / threads, qtype};
     }
-    int wide = gguf_isa(-1) && k % 16 == 0;
-    void (*body)(const job_t *) = wide ? run_tiles5 : run_tiles;
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, wide ? run_tiles5_thread : run_tiles_thread, &jobs[t]) != 0) break;
-        started = t;
-    }
-    body(&jobs[0]);
-    for (int t = started + 1; t < threads; t++) body(&jobs[t]);
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    void (*body)(const job_t *) = gguf_isa(-1) && k % 16 == 0 ? run_tiles5 : run_tiles;
+    /* on the process's OpenMP team: torch's own threads, already running, rather than a second set that
+     * would compete with them for the cores while they spin after torch's last parallel op */
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+    for (int t = 0; t < threads; t++) body(&jobs[t]);
     return 0;
 }

@@ -25,7 +25,7 @@ from kernels.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, dequantize, 
 from kernels.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
 MAX_ROWS = 64
 # rows per kernel call for wide inputs (a prompt): past 32 rows the AVX-512 path's x rows of a long K fall out
 # of L1 and a weight costs more per row (Q6_K [1536, 8960]: 0.022 ns a weight a row at 16-32 rows, 0.033 at 64)

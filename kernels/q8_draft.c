@@ -9,7 +9,6 @@
  */
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -216,11 +215,6 @@ static void run(const job_t *j) {
         (j->vnni ? rows_vnni : rows_avx2)(j->w, j->d, j->k, j->n0, j->n1, j->xq, j->xd, j->m, j->n, j->y);
 }
 
-static void *run_thread(void *arg) {
-    run((const job_t *)arg);
-    return NULL;
-}
-
 /* 1 = the VNNI path is in use; want -1 = the best this CPU has, 0 = force AVX2, 1 = VNNI where supported. */
 static int use_vnni = -1;
 int q8_isa(int want) {
@@ -254,17 +248,11 @@ static int matmul(const float *x, long m, const void *w, const float *d, const u
     if (threads > 64) threads = 64;
     if (threads > n) threads = (int)n;
     job_t jobs[64];
-    pthread_t ids[64];
     for (int t = 0; t < threads; t++)
         jobs[t] = (job_t){w, xq, d, xd, inits, d4, k, n, m, n * t / threads, n * (t + 1) / threads, y, use_vnni};
-    int started = 0;
-    for (int t = 1; t < threads; t++) {
-        if (pthread_create(&ids[t], NULL, run_thread, &jobs[t]) != 0) break;
-        started = t;
-    }
-    run(&jobs[0]);
-    for (int t = started + 1; t < threads; t++) run(&jobs[t]);
-    for (int t = 1; t <= started; t++) pthread_join(ids[t], NULL);
+    /* on the process's OpenMP team (torch's threads), as in gguf_blocks.c */
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+    for (int t = 0; t < threads; t++) run(&jobs[t]);
     free(xq);
     free(xd);
     free(inits);

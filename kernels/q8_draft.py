@@ -25,7 +25,7 @@ from kernels.build import compiled, loads
 from kernels.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 
 SOURCE = Path(__file__).with_name("q8_draft.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-pthread")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-fopenmp")
 QK = 32
 MAX_ROWS = 16  # more rows than this (a prompt) go to the exact product the matrix falls back to
 

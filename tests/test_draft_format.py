@@ -42,6 +42,20 @@ def test_kernel_matches_its_reference(isa, bits, rows, k):
 
 
 @pytest.mark.parametrize("bits", [8, 4])
+def test_threads_do_not_change_a_bit(isa, bits):
+    """Threads (the process's OpenMP team) split the output columns and each column's sum keeps its order, so
+    the thread count cannot move a bit, inside torch's parallel region or outside it."""
+    torch.manual_seed(bits)
+    w, x = torch.randn(203, 256), torch.randn(5, 256)
+    one = q8_draft.Q8Matrix(w, bits=bits, threads=1)(x)
+    for t in (2, 3, 7):
+        m = q8_draft.Q8Matrix(w, bits=bits, threads=t, packed=q8_draft.quantize(w, bits))
+        assert torch.equal(m(x), one), t
+        torch.add(torch.randn(1 << 16), 1)  # a torch op between calls: its team is the one the kernel reuses
+        assert torch.equal(m(x), one), t
+
+
+@pytest.mark.parametrize("bits", [8, 4])
 def test_quantised_weights_stay_within_half_a_step(bits):
     """q8: |w - w'| <= d / 2 per 32-block; q4 (Q4_0, d = the signed extreme / -8): <= |d| (+8 d clamps to 7)."""
     torch.manual_seed(bits)
