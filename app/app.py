@@ -280,6 +280,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if app.bridge is not None and not app.bridge.join(2.0):  # the app already waited QUIT_GRACE_S for it
         from core.judge import kill_workers
 
+        failed = app.bridge.close_abandoned()
+        if failed:
+            print(f"specpilot-tui: could not record the run's end ({failed}); it will read as interrupted",
+                  file=sys.stderr)
         print(f"specpilot-tui: the loop did not stop in time ({app.bridge.waiting_for}); "
               f"killed {kill_workers()} worker(s) and left", file=sys.stderr)
         sys.stderr.flush()

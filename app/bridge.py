@@ -199,6 +199,18 @@ class LoopBridge:
         """What the loop is busy with, in words, for the quitting message."""
         return str(getattr(self.handle, "waiting_for", "") or "the step in flight")
 
+    def close_abandoned(self) -> str | None:
+        """The process leaves with the loop still in its step: have the loop record its run's end now (a
+        handle without it leaves the run to read as interrupted). Returns why that failed, else None."""
+        close = getattr(self.handle, "close_abandoned", None)
+        if close is None:
+            return None
+        try:
+            close()
+        except Exception as exc:
+            return one_line(exc)
+        return None
+
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the loop thread; True when it has ended."""
         if self.thread is not None:

@@ -20,7 +20,7 @@ def deployment_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workload", help="JSONL request set (default: workloads/code.jsonl)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cpu)")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
-                   help="model dtype (default: bfloat16 on CUDA and CPUs with bf16 hardware, else float32)")
+                   help="model dtype (default: bfloat16 on CUDA, float32 on a CPU: the exact reference there)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
 
 

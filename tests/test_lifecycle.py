@@ -139,6 +139,26 @@ def test_a_killed_run_reads_interrupted_and_the_next_writer_marks_it(tmp_path):
     assert status == "interrupted" and "ended without closing the run" in json.loads(summary)["reason"]
 
 
+def test_a_quit_that_leaves_before_its_step_ends_is_stored_as_stopped(tmp_path):
+    """`q` twice leaves at once, with the loop still in its step: the run is recorded as stopped there and
+    then (a later close by the loop thread changes nothing), never left to read as interrupted."""
+    loop = Loop(LoopConfig(db=str(tmp_path / "store.db")))
+    loop.run_id, loop.round = loop.store.create_run({}, {}), 2
+    loop.abort("quit")
+    loop.close_abandoned()
+    status, summary = raw(tmp_path / "store.db", "SELECT status, summary FROM run")[0]
+    assert status == "stopped" and "left before it ended" in json.loads(summary)["reason"]
+    assert "round 2" in json.loads(summary)["reason"]
+    signalled = Loop(LoopConfig(db=str(tmp_path / "other.db")))
+    signalled.run_id = signalled.store.create_run({}, {})
+    signalled.abort("interrupted (SIGTERM)")
+    signalled.close_abandoned()
+    assert raw(tmp_path / "other.db", "SELECT status FROM run") == [("interrupted",)]
+    signalled.store.finish_run(signalled.run_id, "finished", {})
+    signalled.close_abandoned()  # already closed by this loop: left as it is
+    assert raw(tmp_path / "other.db", "SELECT status FROM run") == [("finished",)]
+
+
 def test_a_live_run_stays_running(tmp_path):
     store = Store(tmp_path / "store.db")
     run = store.create_run({}, {})

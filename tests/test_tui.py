@@ -21,12 +21,12 @@ from app.screens.help import HelpScreen
 from app.screens.reject import RejectScreen
 from app.screens.replay import ReplayScreen, split_round
 from app.screens.runs import RunsScreen
-from app.state import DashboardState
+from app.state import DashboardState, GapView
 from app.widgets.candidates import CandidateTable
 from app.widgets.dashboard import Dashboard
 from app.widgets.diffview import DiffView, line_kind
 from app.widgets.forcing import ForcingTable
-from app.widgets.gaps import GapBars, bar
+from app.widgets.gaps import BELOW_FLOOR, GapBars, bar
 from app.widgets.header import StatusHeader, StatusLine
 from app.widgets.speedup import SpeedupPlot
 from core.cli import db_path
@@ -589,6 +589,24 @@ def test_mono_theme_marks_results_without_colour() -> None:
         gaps = app.live.query_one(GapBars)
         assert "◀ largest" in gaps.render().plain
         assert gaps.get_component_rich_style("gaps--largest").underline
+
+    drive(app, script, WIDE)
+
+
+def test_a_negative_gap_says_it_is_under_its_floor() -> None:
+    """The real pair's round 1 measured verify at -17.6 ms/token (under the bandwidth floor): an empty bar
+    would read as zero, so the row says what the sign means and keeps its value."""
+    app = make_app()
+
+    async def script(pilot: Any) -> None:
+        app.live.state.gaps = GapView(1, 2.0, 9.0, [("weights", 213.0), ("verify", -17.6), ("host", 74.0)],
+                                      "weights")
+        gaps = app.live.query_one(GapBars)
+        gaps.sync()
+        await pilot.pause(0.1)
+        lines = gaps.render().plain.splitlines()
+        assert BELOW_FLOOR in lines[1] and "-17.60 ms/tok" in lines[1]
+        assert BELOW_FLOOR not in lines[0] + lines[2] and "█" in lines[2]
 
     drive(app, script, WIDE)
 

@@ -12,6 +12,9 @@ from app.state import DashboardState, GapView
 
 EIGHTHS = " ▏▎▍▌▋▊▉"
 LARGEST_MARK = " ◀ largest"
+# a negative component: that part of the step ran faster than the cost model's floor for it (the measured
+# bandwidth undercounts what the step streamed), which a bar cannot show
+BELOW_FLOOR = "◁ under its modelled floor"
 
 
 def bar(value: float, scale: float, width: int) -> str:
@@ -77,7 +80,8 @@ class GapBars(Widget):
             if i:
                 out.append("\n")
             out.append(f"{name[:label_w]:<{label_w}} ", styles["largest"] if top else styles["label"])
-            out.append(f"{bar(ms, scale, bar_w):<{bar_w}} ", styles["largest"] if top else styles["bar"])
+            drawn = bar(ms, scale, bar_w) if ms >= 0 else BELOW_FLOOR[:bar_w]
+            out.append(f"{drawn:<{bar_w}} ", styles["largest"] if top else styles["value" if ms < 0 else "bar"])
             out.append(f"{value:>{value_w}}", styles["largest"] if top else styles["value"])
             if top:
                 out.append(LARGEST_MARK, styles["largest"])

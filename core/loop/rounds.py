@@ -63,11 +63,7 @@ class Loop(Control):
             with progress.reporting(self._progress, lambda: self._abort is not None):
                 summary = self._run()
         except (progress.Cancelled, KeyboardInterrupt) as exc:
-            why = self._abort or "interrupted (SIGINT)"
-            self.status = "stopped" if self._abort == "quit" else "interrupted"
-            summary = {"run": self.run_id, "reason": f"{why} during {self.waiting_for}, round {self.round or '-'}; "
-                                                     "only finished rounds count", "rounds": self._finished}
-            self.store.finish_run(self.run_id, self.status, summary)
+            summary = self._close_abandoned(self._abort or "interrupted (SIGINT)")
             self.log(RunFinished(self.run_id, summary, self.status))
             self._state("stopped")
             if isinstance(exc, KeyboardInterrupt):
@@ -92,6 +88,20 @@ class Loop(Control):
         self.log(RunFinished(self.run_id, summary, self.status))
         self._state("done")
         return summary
+
+    def _close_abandoned(self, why: str, left: str = "") -> dict:
+        """Store the run as ended by `why` in the step in flight: stopped for a quit, else interrupted."""
+        self.status = "stopped" if why == "quit" else "interrupted"
+        summary = {"run": self.run_id, "reason": f"{why} during {self.waiting_for}, round {self.round or '-'}{left}; "
+                                                 "only finished rounds count", "rounds": self._finished}
+        self.store.finish_run(self.run_id, self.status, summary)
+        return summary
+
+    def close_abandoned(self) -> None:
+        """The process is leaving before the abandoned step ended (`q` twice, or the grace ran out): record
+        the run as the loop would have once the step ended, so a quit reads as stopped, not interrupted."""
+        if self.run_id is not None and self.status is None:
+            self._close_abandoned(self._abort or "quit", ", left before it ended")
 
     def _resumed(self) -> tuple[int, dict | None]:
         """(index of the last finished round, its incumbent) of the run being resumed; (0, None) otherwise."""
