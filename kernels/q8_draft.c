@@ -134,20 +134,30 @@ static inline __m256 q4_block_dot(const uint8_t *w, const int8_t *x) {
     return _mm256_cvtepi32_ps(_mm256_sub_epi32(p, xs));
 }
 
+/* the same from the block's -8 * x sum precomputed per call (`init`: 8 lanes, the first holding it) */
+static inline __m256 q4_block_dot_init(const uint8_t *w, const int8_t *x, const int32_t *init) {
+    __m128i v = _mm_loadu_si128((const __m128i *)w), mask = _mm_set1_epi8(0x0F);
+    __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)x)),
+                                  _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(p, _mm256_loadu_si256((const __m256i *)init)));
+}
+
 static void q4_rows_avx2(const uint8_t *w, const uint16_t *d, long k, long n0, long n1, const int8_t *xqs,
                          const float *xds, const int32_t *inits, long m, long ldy, float *ys) {
-    long nb = k / QK;
-    (void)inits;
+    long nb = k / QK, pairs = nb / 2;
     for (long n = n0; n < n1; n++) for (long r = 0; r < m; r++) {
         const uint8_t *wr = w + n * (k / 2);
         const uint16_t *dr = d + n * nb;
         const int8_t *xq = xqs + r * k;
         const float *xd = xds + r * nb;
+        const int32_t *init = inits + r * pairs * 16;  /* block b's at (b / 2) * 16 + (b % 2) * 8 */
         __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
         long b = 0;
         for (; b + 1 < nb; b += 2) {
-            acc0 = _mm256_fmadd_ps(q4_block_dot(wr + b * 16, xq + b * QK), _mm256_set1_ps(_cvtsh_ss(dr[b]) * xd[b]), acc0);
-            acc1 = _mm256_fmadd_ps(q4_block_dot(wr + (b + 1) * 16, xq + (b + 1) * QK),
+            acc0 = _mm256_fmadd_ps(q4_block_dot_init(wr + b * 16, xq + b * QK, init + b * 8),
+                                   _mm256_set1_ps(_cvtsh_ss(dr[b]) * xd[b]), acc0);
+            acc1 = _mm256_fmadd_ps(q4_block_dot_init(wr + (b + 1) * 16, xq + (b + 1) * QK, init + b * 8 + 8),
                                    _mm256_set1_ps(_cvtsh_ss(dr[b + 1]) * xd[b + 1]), acc1);
         }
         if (b < nb) acc0 = _mm256_fmadd_ps(q4_block_dot(wr + b * 16, xq + b * QK), _mm256_set1_ps(_cvtsh_ss(dr[b]) * xd[b]), acc0);
