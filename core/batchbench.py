@@ -2,10 +2,10 @@
 
 For each batch size every system serves the same requests with at most that many in flight; systems are
 interleaved per repeat so drift cancels. Speedups are over our batched autoregressive decoding at the same
-batch size (`speedup_vs_ar`, default runtime). A recipe with another linear backend also gets
-`speedup_vs_ar_same_runtime`, over batched AR on that backend (system "ar+BACKEND"), which is what its
-speculation and batching policy alone earn. Batching policies price steps with their recipe's cost table
-(its target, linear backend and drafter), measured once at the start.
+batch size (`speedup_vs_ar`, default runtime). A recipe with another weight format or linear backend also
+gets `speedup_vs_ar_same_runtime`, over batched AR on that format and backend (system "ar+gguf",
+"ar+onednn"), which is what its speculation and batching policy alone earn. Batching policies price steps
+with their recipe's cost table (its target, linear backend and drafter), measured once at the start.
 """
 
 from __future__ import annotations
@@ -19,6 +19,13 @@ from core.deployment import Deployment
 from core.engine import Engine
 from core.recipe import Recipe
 from core.workload import encode, load, split
+
+
+def same_runtime(recipe: Recipe) -> str | None:
+    """The batched-AR system on a recipe's own weight format and linear backend ("ar+gguf", "ar+onednn",
+    "ar+gguf+fused"), None when both are native: what its speculation and batching alone earn is over that."""
+    parts = [p for p in (recipe.weights.format, recipe.runtime.linear) if p != "native"]
+    return "ar+" + "+".join(parts) if parts else None
 
 
 def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list[int], which: str = "all",
@@ -35,7 +42,7 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
     for recipe in recipes:
         if recipe.batching.policy != "fixed":
             engine.cost_table(recipe, batch_sizes)
-    runtimes = {f"ar+{r.runtime.linear}": r for r in recipes if r.runtime.linear != "native"}
+    runtimes = {same_runtime(r): r for r in recipes if same_runtime(r)}
     systems: dict[str, Recipe | None] = {"ar": None, **runtimes, **{r.name: r for r in recipes}}
     reference = engine.serve(prompts, limits, None, 1).tokens
     rates: dict[tuple[int, str], list[float]] = {}
@@ -66,8 +73,8 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
                      "speedup_vs_ar": statistics.median(r) / ar,
                      "mean_accepted_length": sum(acc) / len(acc) if speculative else None,
                      "requests": len(prompts), "mismatched_requests": mismatched[(b, name)]}
-            if speculative and recipe.runtime.linear != "native":
-                same = statistics.median(rates[(b, f"ar+{recipe.runtime.linear}")])
+            if speculative and same_runtime(recipe):
+                same = statistics.median(rates[(b, same_runtime(recipe))])
                 entry["speedup_vs_ar_same_runtime"] = statistics.median(r) / same
             results.append(entry)
     return {"deployment": deployment.to_dict(), "requests": len(prompts), "repeats": repeats, "reference": "ar",

@@ -116,6 +116,27 @@ def test_bench_without_drafter_skips_assisted_with_a_note(smollm2_gguf, tmp_path
     assert all(r["mismatched_requests"] == 0 for r in summary["results"])
 
 
+def test_batched_bench_compares_a_block_recipe_with_batched_ar_on_the_blocks(smol, smollm2_gguf, tmp_path):
+    """`bench --batch-sizes` with a gguf recipe also runs batched AR on the blocks ("ar+gguf"), so what its
+    speculation keeps at each batch size is measured on the same weights; every output equals batched AR's."""
+    from core.batchbench import run_batched
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"id": str(i), "prompt": p, "chat": True, "max_new_tokens": 8}) + "\n"
+                                for i, p in enumerate(PROMPTS)))
+    engine = smol[0]
+    recipe = RECIPES["gguf-ngram"].replace(name="gguf-ngram")
+    summary = run_batched(Deployment(smollm2_gguf, None, str(workload)), [recipe], [1, 2], repeats=1,
+                          progress=False, engine=engine)
+    by = {(r["batch_size"], r["name"]): r for r in summary["results"]}
+    assert set(by) == {(b, n) for b in (1, 2) for n in ("ar", "ar+gguf", "gguf-ngram")}
+    assert all(r["mismatched_requests"] == 0 for r in summary["results"])
+    for b in (1, 2):
+        assert by[(b, "ar+gguf")]["mean_accepted_length"] is None
+        same = by[(b, "gguf-ngram")]["tokens_per_s"] / by[(b, "ar+gguf")]["tokens_per_s"]
+        assert by[(b, "gguf-ngram")]["speedup_vs_ar_same_runtime"] == pytest.approx(same)
+
+
 def test_recipes_best_from_the_store(tmp_path, capsys):
     from core.cli import best_recipe
     from core.store import Store
