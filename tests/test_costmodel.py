@@ -117,7 +117,7 @@ def test_gaps_add_up(engine):
     report = analyse(engine, recipe, prompts(3), LIMITS[:3], budgets=(4, 8, 16), probe_result=FAKE_PROBE, repeats=3,
                      candidates=candidates)
     parts = {g["component"]: g["ms_per_token"] for g in report["gaps"]}
-    assert set(parts) == {"acceptance", "weights", "verify", "dispatch", "drafting", "host", "batching"}
+    assert set(parts) == {"acceptance", "weights", "verify", "dispatch", "drafting", "host", "prompt", "batching"}
     assert parts["weights"] == 0.0  # a safetensors checkpoint has no fewer-byte exact format here
     # dispatch: the verify forwards' time outside the weight products, measured on the same forward with
     # the products removed (on these tiny models the products cost next to nothing, so no ordering)
@@ -131,6 +131,11 @@ def test_gaps_add_up(engine):
     assert math.isclose(sum(parts.values()), diff, rel_tol=1e-9)
     assert report["largest_gap"] == max(parts, key=parts.get)
     assert parts["batching"] == 0.0
+    # the prompt: the wall time outside the steps (prefill, cache set-up), apart from the per-step host work
+    outside = prof["wall_ms"] - steps * sum(prof["phases"].values())
+    assert parts["prompt"] == pytest.approx(outside / prof["tokens"]) and parts["prompt"] > 0
+    assert parts["host"] == pytest.approx(steps * (prof["phases"]["commit_ms"] + prof["phases"]["host_ms"])
+                                          / prof["tokens"])
     assert report["ceiling_tokens_per_s"] > report["measured_tokens_per_s"] > 0
     assert report["replay"]["incumbent"] == report["replay"]["measured_incumbent"]
     assert sorted(report["replay"]["chain"]) == list(range(1, 9))

@@ -61,7 +61,7 @@ def test_cli_prints_the_json_summary(first_run):
     assert [r["index"] for r in summary["rounds"]] == [1]
     rnd = summary["rounds"][0]
     assert {"index", "largest_gap", "candidates", "incumbent"} <= set(rnd)
-    assert rnd["largest_gap"] in {"acceptance", "drafting", "verify", "host", "batching"}
+    assert rnd["largest_gap"] in {"acceptance", "drafting", "verify", "host", "prompt", "batching"}
     assert rnd["candidates"], "three local agents proposed nothing to judge"
     for c in rnd["candidates"]:
         assert CANDIDATE_KEYS <= set(c)

@@ -105,6 +105,11 @@ def test_every_gap_has_an_agent_or_is_named():
     assert uncovered(report, {"local": 4, "claude": 1}) == []  # Claude may propose any kind
     assert "adaptive-length" not in KNOB_AGENTS
     assert [a.name for a in local_agents_for(report, 1, [], only=KNOB_AGENTS)] == ["draft-length"]
+    # the prompt's prefill is named, never acted on: no recipe field changes it, so the next gap gets the agent
+    prompt = {"gaps": [{"component": "prompt", "ms_per_token": 70.0}, {"component": "host", "ms_per_token": 0.9}],
+              "largest_gap": "prompt", "batch_size": 1}
+    assert uncovered(prompt, {"local": 4}) == ["prompt"]
+    assert [a.name for a in local_agents_for(prompt, 1, [])] == ["adaptive-length"]
 
 
 @pytest.fixture(scope="module")

@@ -848,6 +848,7 @@ GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "weights": (WeightFormatAgent,),
     "verify": (RuntimeAgent, WeightFormatAgent, DraftLengthAgent, TreeShapeAgent),
     "host": (AdaptiveLengthAgent, DraftLengthAgent, RuntimeAgent),
+    "prompt": (),  # the prefill: no recipe field changes it (see registry.HINTS)
     "dispatch": (RuntimeAgent, DraftLengthAgent, TreeShapeAgent),
     "batching": (BatchingAgent,),
 }

@@ -27,6 +27,8 @@ HINTS = {
     "verify": "bring the verify step toward its bandwidth floor: a faster linear backend (runtime.linear), fewer "
               "weight bytes (packed12), fewer nodes",
     "host": "cut per-step host overhead: fewer steps per token, less Python per step",
+    "prompt": "the prompt's prefill, outside the decode steps: compute-bound products that exact float32 keeps "
+              "at the GEMM's peak; it shrinks per token with longer outputs, and no recipe field moves it",
     "dispatch": "cut the verify forward's time outside its weight products (op dispatch, norms, attention): fewer "
                 "forwards per token (longer drafts, bigger trees), a fused forward (runtime.linear = 'fused')",
     "batching": "share the verify budget across requests: batching policy and node budget",

@@ -61,7 +61,8 @@ def gaps(prof: Profile, floor_ms: float, best_length: float, batching_ms_per_tok
         "verify": (totals["verify_ms"] - S * own_floor - dispatch) / T,
         "dispatch": dispatch / T,
         "drafting": totals["draft_ms"] / T,
-        "host": (totals["commit_ms"] + totals["host_ms"] + outside) / T - batching_ms_per_token,
+        "host": (totals["commit_ms"] + totals["host_ms"]) / T - batching_ms_per_token,
+        "prompt": outside / T,  # outside the decode steps: the prompt's prefill and the caches' set-up
         "batching": batching_ms_per_token,
     }
     largest = max(parts, key=parts.get)
