@@ -171,6 +171,8 @@ def test_threads_and_batch_size_do_not_change_a_bit(q: str, isa: str) -> None:
         assert torch.equal(m(x[i:i + 1]), one[i:i + 1])
     for lo, hi in ((0, 2), (0, 4), (0, 5), (3, 11), (0, 16), (0, 17)):
         assert torch.equal(m(x[lo:hi]), one[lo:hi])
+    wide = torch.randn(70, k)  # a prompt's rows: dequantised slabs into torch's GEMM
+    assert torch.equal(m(wide, threads=3), m(wide, threads=1))
 
 
 def test_read_only_memmap_is_used_in_place(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ from app.state import DashboardState, GapView
 
 EIGHTHS = " ▏▎▍▌▋▊▉"
 LARGEST_MARK = " ◀ largest"
-# a negative component: that part of the step ran faster than the cost model's floor for it (the measured
-# bandwidth undercounts what the step streamed), which a bar cannot show
+# a negative component: that part of the step ran faster than the cost model's floor for it (the step read
+# its bytes faster than the probe's measured bandwidth), which a bar cannot show
 BELOW_FLOOR = "◁ under its modelled floor"
 
 
