@@ -1,0 +1,43 @@
+"""`python scripts/decode_threads.py THREADS` (after `specpilot fetch qwen-coder`): ms per new token after the
+prompt on the real pair, request 0 of the coding set, for our AR on the GGUF blocks and stock-gguf-q4 (median
+of 3). It is the check for how decoding scales with threads, e.g. 1 against 2."""
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from core import workload  # noqa: E402
+from core.engine import gguf  # noqa: E402
+from core.engine.engine import Engine  # noqa: E402
+from core.fetch import fetch  # noqa: E402
+from core.recipe import builtin  # noqa: E402
+
+
+def main(threads: int) -> None:
+    torch.set_num_threads(threads)
+    from transformers import AutoTokenizer
+
+    paths = fetch("qwen-coder")
+    target, drafter = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
+    tok = AutoTokenizer.from_pretrained(target)
+    ids = workload.encode(tok, workload.split(workload.load("workloads/coding_chat.jsonl"), "all")[0])
+    engine = Engine.load(target, drafter)
+    recipe = builtin("stock-gguf-q4")
+    for name, speculative in (("ar+gguf", False), ("stock-gguf-q4", True)):
+        engine.generate([ids], 4, recipe, speculative=speculative)  # warm: kernels built, caches allocated
+        per = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            engine.generate([ids], 1, recipe, speculative=speculative)
+            t1 = time.perf_counter()
+            engine.generate([ids], 65, recipe, speculative=speculative)
+            per.append(((time.perf_counter() - t1) - (t1 - t0)) / 64 * 1e3)
+        print(f"{name}: {statistics.median(per):.1f} ms/token decode ({threads} threads), runs "
+              f"{', '.join(f'{p:.1f}' for p in per)}", flush=True)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 1)
