@@ -85,10 +85,36 @@ def best_recipe(deployment, db: str | None):
             same = False
         rounds = [r for r in store.list_rounds(run["id"]) if r.get("incumbent")] if same else []
         if rounds:
-            recipe = Recipe.from_toml(rounds[-1]["incumbent"]["recipe"], source=f"run {run['id']}")
+            incumbent = rounds[-1]["incumbent"]
+            recipe = Recipe.from_toml(incumbent["recipe"], source=f"run {run['id']}")
+            _load_plugins(recipe, incumbent.get("workspace"), run["id"])
             return recipe.replace(name="best")
     raise FileNotFoundError(f"--recipes best: {path} holds no finished round for this deployment "
                             f"({deployment.describe()}); run `specpilot run` on it first")
+
+
+def _load_plugins(recipe, workspace: str | None, run_id: int) -> None:
+    """An incumbent that runs agent-written mechanisms (`plugin:NAME`) needs them registered in this process:
+    the user asked to run the loop's result, so they are imported from the run's workspace, the code the
+    judge's workers ran. A workspace that is gone is a one-line error."""
+    from core.engine.plugins import load_workspace
+    from core.mechanisms import UnknownMechanism, check_recipe
+
+    try:
+        check_recipe(recipe)
+        return
+    except UnknownMechanism:
+        pass
+    if not workspace or not (Path(workspace) / "plugins").is_dir():
+        raise FileNotFoundError(f"--recipes best: run {run_id}'s incumbent runs plugins from {workspace}, which "
+                                "no longer exists; resume the run or export its recipe without the plugin")
+    names = load_workspace(workspace)
+    try:
+        check_recipe(recipe)
+    except UnknownMechanism as exc:
+        raise FileNotFoundError(f"--recipes best: run {run_id}'s workspace {workspace} no longer holds its "
+                                f"plugins ({exc})") from None
+    print(f"--recipes best: loaded run {run_id}'s plugins ({', '.join(names)}) from {workspace}", file=sys.stderr)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

@@ -3,6 +3,7 @@ lossless against transformers in float32 for AR, n-gram, early exit and a dynami
 takes the loop's stored incumbent; a backend that would not fit is refused before it loads."""
 
 import json
+import shutil
 import subprocess
 import sys
 
@@ -160,6 +161,52 @@ def test_recipes_best_from_the_store(tmp_path, capsys):
     best = best_recipe(deployment, str(db))
     assert best.name == "best" and best.tree.depth == 7  # the newest finished one of this deployment
     assert best_recipe(other, str(db)).tree.depth == 3
+
+
+PLUGIN = """from core.mechanisms import register
+
+
+def length(depth, recent):
+    return min(depth, (recent[-1] if recent else depth) + 1)
+
+
+register("draft_length", "{name}", length)
+"""
+
+
+def test_recipes_best_loads_the_incumbents_plugins_from_its_workspace(tmp_path, capsys):
+    """The loop's winners are often agent-written plugins (an adaptive draft length): `--recipes best` imports
+    them from the run's workspace, as the judge's workers did, and runs the recipe losslessly; a workspace
+    that is gone is one line, not an unknown-mechanism error."""
+    from core.store import Store
+
+    d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=6)
+    deployment = Deployment(target=d["target"], drafter=d["drafter"], workload=d["workload"])
+    db, name = tmp_path / "store.db", "best_len_a1"
+    ws = tmp_path / "ws"
+    (ws / "plugins").mkdir(parents=True)
+    (ws / "plugins" / f"{name}.py").write_text(PLUGIN.format(name=name))
+    store = Store(db)
+    run = store.create_run(deployment.to_dict(), {})
+    recipe = Recipe.from_dict({"draft": {"length": f"plugin:{name}"}, "tree": {"policy": "chain", "depth": 3}})
+    store.finish_round(store.start_round(run, 1, {}), {"recipe": recipe.to_toml(), "heldout_speedup_vs_ar": 1.2,
+                                                       "workspace": str(ws)})
+    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
+           "--workload", d["workload"], "--repeats", "1", "--no-hf", "--recipes", "best", "--db", str(db),
+           "--quiet", "--json", "--dtype", "float32"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"loaded run {run}'s plugins ({name})" in out.stderr
+    results = {r["name"]: r for r in json.loads(out.stdout)["results"]}
+    assert results["best"]["mismatched_requests"] == 0 and results["best"]["mean_accepted_length"] > 0
+    (ws / "plugins" / f"{name}.py").unlink()
+    emptied = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    err = emptied.stderr.strip().splitlines()
+    assert emptied.returncode != 0 and len(err) == 1 and "no longer holds its plugins" in err[0], emptied.stderr
+    shutil.rmtree(ws)
+    gone = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    err = gone.stderr.strip().splitlines()
+    assert gone.returncode != 0 and len(err) == 1 and "no longer exists" in err[0], gone.stderr[-2000:]
 
 
 def test_a_backend_that_would_not_fit_is_refused_before_it_loads(monkeypatch, tmp_path):
