@@ -71,7 +71,7 @@ def test_cli_prints_the_json_summary(first_run):
     assert len(rnd["incumbent"]["interval"]) == 2
     store = Store(db)
     assert store.run(summary["run"])["summary"] == summary  # the printed summary is the stored one
-    assert (work / ".specpilot" / f"run-{summary['run']}").is_dir()  # workspaces next to the store
+    assert (work / ".specpilot" / Path(db).stem / f"run-{summary['run']}").is_dir()  # next to the store, its own
 
 
 def test_show_prints_each_round(first_run, capsys):
@@ -201,3 +201,20 @@ def test_time_budget_stops_the_run_and_says_so(mini, tmp_path):
     assert summary["stopped_by"].startswith("time budget of 0.0 min spent after round 1")
     run = Store(db).list_runs()[0]
     assert run["status"] == "stopped" and run["summary"]["stopped_by"] == summary["stopped_by"]
+
+
+def test_stores_in_one_folder_keep_their_workspaces_apart(tmp_path):
+    """Run ids restart in every store: two stores side by side must not share run-1/ (a merged winner there
+    once picked up another store's plugin files), and a merge holds only its sources' plugins."""
+    from core.loop import default_workdir
+    from core.loop.workspace import Workspace
+
+    assert default_workdir(str(tmp_path / "a.db")) != default_workdir(str(tmp_path / "b.db"))
+    assert Path(default_workdir(str(tmp_path / "a.db"))).parent == tmp_path / ".specpilot"
+    ws = Workspace(Path(default_workdir(str(tmp_path / "a.db"))) / "run-1")
+    ws.write("1-r1-c1", {"plugins/kept.py": "x = 1\n"})
+    stale = ws / "1-r1-merge" / "plugins"
+    stale.mkdir(parents=True)
+    (stale / "other_run.py").write_text("y = 2\n")
+    merged = ws.merged("1-r1-merge", ["1-r1-c1"])
+    assert sorted(p.name for p in (merged / "plugins").iterdir()) == ["kept.py"]

@@ -23,7 +23,7 @@ class LoopConfig:
     max_new_tokens: int | None = None
     seed: int = 0
     limit_s: float = 120.0
-    workdir: str | None = None  # candidate workspaces; default: .specpilot next to the store
+    workdir: str | None = None  # candidate workspaces; default: .specpilot/<store name> next to the store
     time_budget_s: float | None = None  # stop before a round that would start after this much wall time
     local_agents: tuple[str, ...] | None = None  # the local agents a run may use, by name (None = all)
     resume: int | None = None  # continue this stopped or interrupted run from its last finished round
@@ -33,8 +33,10 @@ class LoopConfig:
 
 
 def default_workdir(db: str) -> str:
-    """Candidate workspaces live next to the store they belong to (./.specpilot for ./store.db)."""
-    return str(Path(db).resolve().parent / ".specpilot")
+    """Candidate workspaces live next to the store they belong to, one folder per store (./.specpilot/store
+    for ./store.db): run ids restart in every store, so stores in one folder must not share run-N folders."""
+    path = Path(db).resolve()
+    return str(path.parent / ".specpilot" / path.stem)
 
 
 def config_from_args(args: argparse.Namespace) -> LoopConfig:

@@ -54,8 +54,11 @@ class Workspace:
             path.write_text(text)
 
     def merged(self, cid: str, sources: list[str]) -> Path:
-        """A workspace holding the plugins of every candidate in `sources` (combined winners)."""
+        """A workspace holding the plugins of every candidate in `sources` (combined winners), and only those:
+        one left by an abandoned attempt at this round is cleared first, as in for_candidate."""
         ws = self.root / cid
+        if ws.exists():
+            shutil.rmtree(ws)
         (ws / "plugins").mkdir(parents=True, exist_ok=True)
         for source in sources:
             _copy_plugins(self.root / source, ws)
