@@ -123,23 +123,23 @@ void q4_quantize(const float *v, long rows, long k, uint8_t *q, uint16_t *d) {
     }
 }
 
-/* one 4-bit block times its x bytes: 8 int32 lanes whose sum is sum(q * x) - 8 * sum(x) */
-static inline __m256 q4_block_dot(const uint8_t *w, const int8_t *x) {
+/* one 4-bit block's codes times its x bytes: 8 int32 lanes whose sum is sum(q * x) */
+static inline __m256i q4_codes_dot(const uint8_t *w, __m256i xv) {
     __m128i v = _mm_loadu_si128((const __m128i *)w), mask = _mm_set1_epi8(0x0F);
     __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), _mm256_set1_epi16(1));
+}
+
+/* one 4-bit block times its x bytes: 8 int32 lanes whose sum is sum(q * x) - 8 * sum(x) */
+static inline __m256 q4_block_dot(const uint8_t *w, const int8_t *x) {
     __m256i xv = _mm256_loadu_si256((const __m256i *)x);
-    __m256i ones = _mm256_set1_epi16(1);
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, xv), ones);
-    __m256i xs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), xv), ones);
-    return _mm256_cvtepi32_ps(_mm256_sub_epi32(p, xs));
+    __m256i xs = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_set1_epi8(8), xv), _mm256_set1_epi16(1));
+    return _mm256_cvtepi32_ps(_mm256_sub_epi32(q4_codes_dot(w, xv), xs));
 }
 
 /* the same from the block's -8 * x sum precomputed per call (`init`: 8 lanes, the first holding it) */
 static inline __m256 q4_block_dot_init(const uint8_t *w, const int8_t *x, const int32_t *init) {
-    __m128i v = _mm_loadu_si128((const __m128i *)w), mask = _mm_set1_epi8(0x0F);
-    __m256i wv = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), mask), _mm_and_si128(v, mask));
-    __m256i p = _mm256_madd_epi16(_mm256_maddubs_epi16(wv, _mm256_loadu_si256((const __m256i *)x)),
-                                  _mm256_set1_epi16(1));
+    __m256i p = q4_codes_dot(w, _mm256_loadu_si256((const __m256i *)x));
     return _mm256_cvtepi32_ps(_mm256_add_epi32(p, _mm256_loadu_si256((const __m256i *)init)));
 }
 
