@@ -128,11 +128,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from core.batchbench import run_batched
 
         summary = run_batched(deployment, recipes, [int(b) for b in args.batch_sizes.split(",")], args.split,
-                              args.max_requests, args.max_new_tokens, args.repeats, progress=not args.quiet)
+                              args.max_requests, args.max_new_tokens, args.repeats, progress=not args.quiet,
+                              our_ar=not args.no_ar)
     else:
         summary = bench.run(deployment, recipes, args.split, args.max_requests, args.max_new_tokens, args.repeats,
                             hf=not args.no_hf, progress=not args.quiet,
-                            hf_systems=tuple(n.strip() for n in args.hf.split(",") if n.strip()))
+                            hf_systems=tuple(n.strip() for n in args.hf.split(",") if n.strip()),
+                            our_ar=not args.no_ar)
     print(json.dumps(summary, indent=2) if args.json else bench.table(summary))
     return 0
 
@@ -283,6 +285,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--repeats", type=int, default=3)
     b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8,16,32: batched AR vs recipes")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    b.add_argument("--no-ar", action="store_true",
+                   help="skip our float32 AR (on a real model as slow as the rest of a block-format bench); "
+                        "ar+gguf and the like still run")
     b.add_argument("--hf", default="hf-ar,hf-assisted,hf-assisted-tuned,hf-lookup",
                    help="which transformers baselines to run (comma-separated)")
     b.add_argument("--quiet", action="store_true", help="no progress bar")

@@ -138,6 +138,33 @@ def test_batched_bench_compares_a_block_recipe_with_batched_ar_on_the_blocks(smo
         assert by[(b, "gguf-ngram")]["speedup_vs_ar_same_runtime"] == pytest.approx(same)
 
 
+def test_no_ar_bench_counts_against_ar_on_the_blocks(smol, smollm2_gguf, tmp_path):
+    """`bench --no-ar` skips our float32 AR, plain and batched: the block recipe is then set against AR on the
+    blocks, whose outputs become the reference; a float32 recipe has no baseline left and is refused up front."""
+    from core import bench
+    from core.batchbench import run_batched
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text("".join(json.dumps({"id": str(i), "prompt": p, "chat": True, "max_new_tokens": 8}) + "\n"
+                                for i, p in enumerate(PROMPTS)))
+    deployment = Deployment(smollm2_gguf, None, str(workload))
+    recipe = RECIPES["gguf-ngram"].replace(name="gguf-ngram")
+    plain = bench.run(deployment, [recipe], repeats=1, hf=False, progress=False, engine=smol[0], our_ar=False)
+    assert [r["name"] for r in plain["results"]] == ["ar+gguf", "gguf-ngram"] and plain["reference"] == "ar+gguf"
+    assert all(r["mismatched_requests"] == 0 for r in plain["results"])
+    batched = run_batched(deployment, [recipe], [1, 2], repeats=1, progress=False, engine=smol[0], our_ar=False)
+    by = {(r["batch_size"], r["name"]): r for r in batched["results"]}
+    assert set(by) == {(b, n) for b in (1, 2) for n in ("ar+gguf", "gguf-ngram")}
+    assert batched["baseline"] == "ar+gguf" and "vs ar+gguf" in bench.table(batched)
+    assert all(by[(b, "ar+gguf")]["speedup_vs_ar"] == 1.0 for b in (1, 2))
+    assert all(r["mismatched_requests"] == 0 for r in batched["results"])
+    native = RECIPES["ngram"].replace(name="ngram")
+    with pytest.raises(ValueError, match="nothing to count mismatches against"):
+        bench.run(deployment, [native], hf=False, engine=smol[0], our_ar=False)
+    with pytest.raises(ValueError, match="recipe ngram runs on float32 weights"):
+        run_batched(deployment, [native], [1], engine=smol[0], our_ar=False)
+
+
 def test_recipes_best_from_the_store(tmp_path, capsys):
     from core.cli import best_recipe
     from core.store import Store
