@@ -86,7 +86,7 @@ def descendants(pid: int) -> set[int]:
 
 def test_sigint_closes_the_run_as_interrupted_reaps_workers_and_resume_finishes_it(mini, tmp_path):
     db = tmp_path / "store.db"
-    proc = cli(*run_argv(mini, db, "--auto", "--headless"), cwd=tmp_path)
+    proc = cli(*run_argv(mini, db, "--auto", "--headless", rounds=2), cwd=tmp_path)
     try:
         wait_for(db, "SELECT count(*) FROM event WHERE kind = 'round_started' AND round = 2", proc, "round 2")
         workers = descendants(proc.pid)
@@ -115,12 +115,12 @@ def test_sigint_closes_the_run_as_interrupted_reaps_workers_and_resume_finishes_
     done = cli("run", "--resume", str(run["id"]), "--headless", "--db", str(db), cwd=tmp_path)
     out, err = done.communicate(timeout=300)
     assert done.returncode == 0, err[-3000:]
-    assert f"resuming run {run['id']} after round 1 of 3" in err
+    assert f"resuming run {run['id']} after round 1 of 2" in err
     resumed = Store(db, read_only=True).run(run["id"])
-    assert resumed["status"] == "finished" and resumed["rounds"] == 3
+    assert resumed["status"] == "finished" and resumed["rounds"] == 2
     rounds = raw(db, "SELECT \"index\", finished_at IS NOT NULL FROM round WHERE run_id = ? ORDER BY \"index\"",
                  run["id"])
-    assert rounds == [(1, 1), (2, 1), (3, 1)]
+    assert rounds == [(1, 1), (2, 1)]
     assert raw(db, "SELECT incumbent FROM round WHERE run_id = ? AND \"index\" = 1", run["id"])[0][0] == first
 
 

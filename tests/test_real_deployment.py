@@ -19,8 +19,6 @@ RECIPES = {
     "ngram": Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6}}),
     "early_exit": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 10},
                                     "tree": {"policy": "chain", "depth": 3}}),
-    "dynamic": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 15},
-                                 "tree": {"policy": "dynamic", "depth": 4, "topk": 3, "budget": 10}}),
     "gguf-ngram": Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6},
                                     "weights": {"format": "gguf"}}),
     "gguf-dynamic": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 15},
@@ -28,6 +26,7 @@ RECIPES = {
                                       "weights": {"format": "gguf"}}),
 }
 GGUF_AR = Recipe.from_dict({"weights": {"format": "gguf"}})
+NEW_TOKENS = 16
 PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
            "Explain what a hash map is in two sentences.",
            "Fix this code: def add(a, b): return a - b"]
@@ -41,10 +40,10 @@ def smol(smollm2_dir, one_thread):
     from core.workload import Request, encode
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
-    prompts = [encode(tok, Request(str(i), p, 24, chat=True)) for i, p in enumerate(PROMPTS)]
+    prompts = [encode(tok, Request(str(i), p, NEW_TOKENS, chat=True)) for i, p in enumerate(PROMPTS)]
     reference = hf_model(str(smollm2_dir))
     with torch.inference_mode():
-        greedy = [reference.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False,
+        greedy = [reference.generate(torch.tensor([p]), max_new_tokens=NEW_TOKENS, do_sample=False,
                                      pad_token_id=tok.eos_token_id)[0, len(p):].tolist() for p in prompts]
     return Engine.load(smollm2_dir), prompts, greedy
 
@@ -61,9 +60,9 @@ def test_smollm2_greedy_identity_against_transformers(smol, name):
     eos = engine.target.cfg.eos_token_ids[0]
     for p, ref in zip(prompts, greedy):
         if name in ("ar", "gguf-ar"):
-            ours = engine.generate([p], 24, GGUF_AR if name == "gguf-ar" else None, speculative=False)
+            ours = engine.generate([p], NEW_TOKENS, GGUF_AR if name == "gguf-ar" else None, speculative=False)
         else:
-            ours = engine.generate([p], 24, RECIPES[name])
+            ours = engine.generate([p], NEW_TOKENS, RECIPES[name])
         assert _until_eos(ours.tokens[0], eos) == _until_eos(ref, eos)
         if name != "ar":
             assert any(a > 0 for s in ours.steps for a in s.accepted)  # it really speculated
@@ -152,12 +151,11 @@ def test_no_ar_bench_counts_against_ar_on_the_blocks(smol, smollm2_gguf, tmp_pat
     plain = bench.run(deployment, [recipe], repeats=1, hf=False, progress=False, engine=smol[0], our_ar=False)
     assert [r["name"] for r in plain["results"]] == ["ar+gguf", "gguf-ngram"] and plain["reference"] == "ar+gguf"
     assert all(r["mismatched_requests"] == 0 for r in plain["results"])
-    batched = run_batched(deployment, [recipe], [1, 2], repeats=1, progress=False, engine=smol[0], our_ar=False)
-    by = {(r["batch_size"], r["name"]): r for r in batched["results"]}
-    assert set(by) == {(b, n) for b in (1, 2) for n in ("ar+gguf", "gguf-ngram")}
+    batched = run_batched(deployment, [recipe], [2], repeats=1, progress=False, engine=smol[0], our_ar=False)
+    assert {r["name"]: r["batch_size"] for r in batched["results"]} == {"ar+gguf": 2, "gguf-ngram": 2}
     assert batched["baseline"] == "ar+gguf" and "vs ar+gguf" in bench.table(batched)
-    assert all(by[(b, "ar+gguf")]["speedup_vs_ar"] == 1.0 for b in (1, 2))
-    assert all(r["mismatched_requests"] == 0 for r in batched["results"])
+    assert batched["results"][0]["speedup_vs_ar"] == 1.0
+    assert all(r["mismatched_requests"] == 0 for r in batched["results"])  # against ar+gguf at batch 1
     native = RECIPES["ngram"].replace(name="ngram")
     with pytest.raises(ValueError, match="nothing to count mismatches against"):
         bench.run(deployment, [native], hf=False, engine=smol[0], our_ar=False)

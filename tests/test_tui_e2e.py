@@ -28,7 +28,9 @@ def test_real_loop_approve_under_tmux(tmp_path: Path) -> None:
     db = tmp_path / "store.db"
     env = {"SPECPILOT_CONFIG_DIR": str(tmp_path / "config"), "TERM": "xterm-256color",
            "TOKENIZERS_PARALLELISM": "false"}
-    args = ["--db", str(db), "--agents", "local:4", "--rounds", "3", "--max-requests", "4"]
+    # the two agents whose round-1 candidates the demo deployment approves: either one passing is enough here
+    args = ["--db", str(db), "--agents", "local:2", "--local-agents", "drafter-format,runtime", "--rounds", "3",
+            "--max-requests", "4"]
     command = (f"cd {shlex.quote(str(tmp_path))} && env {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} "
                f"{shlex.join(tui_command() + args)}; echo $? > {shlex.quote(str(status))}")
     tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24", command)
@@ -113,7 +115,7 @@ def test_a_killed_run_is_interrupted_and_resumes_under_tmux(mini, tmp_path: Path
     deployment = ["--target", mini["target"], "--drafter", mini["drafter"], "--workload", mini["workload"],
                   "--max-requests", "3", "--max-new-tokens", "8", "--agents", "local:1", "--db", str(db)]
     first, status = f"specpilot-kill-{os.getpid()}", tmp_path / "status-kill"
-    _launch(first, tmp_path, status, deployment + ["--rounds", "3", "--auto"])
+    _launch(first, tmp_path, status, deployment + ["--rounds", "2", "--auto"])
     try:
         _wait_rows(db, "select count(*) from event where kind = 'round_started' and round = 2")
         os.kill(_app_pid(first), signal.SIGKILL)
@@ -132,12 +134,12 @@ def test_a_killed_run_is_interrupted_and_resumes_under_tmux(mini, tmp_path: Path
     finally:
         kill_session(second)
     row = next(line.split() for line in _runs(db).splitlines() if line.split()[:1] == ["1"])
-    assert row[1:3] == ["finished", "3"]
+    assert row[1:3] == ["finished", "2"]
 
     third, status = f"specpilot-sigint-{os.getpid()}", tmp_path / "status-sigint"
     _launch(third, tmp_path, status, deployment + ["--rounds", "3", "--auto"])
     try:
-        _wait_rows(db, "select count(*) from event where run_id = 2 and kind = 'round_started' and round = 2")
+        _wait_rows(db, "select count(*) from event where run_id = 2 and kind = 'round_started' and round = 1")
         os.kill(_app_pid(third), signal.SIGINT)
         assert _wait_status(status, 60) == "130"
         screen = tmux("capture-pane", "-p", "-t", third)
@@ -150,7 +152,7 @@ def test_a_killed_run_is_interrupted_and_resumes_under_tmux(mini, tmp_path: Path
     fourth = f"specpilot-hangup-{os.getpid()}"
     _launch(fourth, tmp_path, tmp_path / "status-hangup", deployment + ["--rounds", "3", "--auto"])
     try:
-        _wait_rows(db, "select count(*) from event where run_id = 3 and kind = 'round_started' and round = 2")
+        _wait_rows(db, "select count(*) from event where run_id = 3 and kind = 'round_started' and round = 1")
         app = _app_pid(fourth)
     finally:
         kill_session(fourth)  # the terminal goes away: SIGHUP
