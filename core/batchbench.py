@@ -37,10 +37,12 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
     from transformers import AutoTokenizer
 
     deployment.validate()
-    if not our_ar and (not recipes or not all(same_runtime(r) for r in recipes)):
-        plain = next((r.name for r in recipes if not same_runtime(r)), "none given")
-        raise ValueError(f"bench --no-ar: recipe {plain} runs on float32 weights, whose baseline is our float32 AR; "
-                         "drop --no-ar or bench only recipes with another weight format or linear backend")
+    plain = [r.name for r in recipes if not same_runtime(r)]
+    if not our_ar and (plain or not recipes):
+        what = f"recipe {plain[0]} runs on float32 weights, whose baseline is our float32 AR" if plain else \
+            "no recipe given, so no AR on another weight format to compare with"
+        raise ValueError(f"bench --no-ar: {what}; drop --no-ar or bench only recipes with another weight format "
+                         "or linear backend")
     requests = split(load(deployment.workload), which)[: max_requests or None]
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     prompts = [encode(tokenizer, r) for r in requests]
