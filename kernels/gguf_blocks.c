@@ -237,22 +237,31 @@ static void run_tiles(const job_t *j) {
     }
 }
 
-/* ---- AVX-512 path: dequantise 16 values in registers straight into the FMAs, no scratch round trip. ----
+/* ---- AVX-512 path: up to 8 x rows, dequantise 16 values in registers straight into the FMAs; from 9, once
+ * per chunk into an L1 scratch that every group of 8 x rows reuses. ----
  * A 4-bit (or Q5_0's 5-bit) code indexes a 16-entry table of its sub-block's exact float32 weights
  * (t[q] = d*q - m, computed in gguf-py's order), so one vpermps turns 16 codes into 16 weights; Q8_0 and Q6_K
  * convert and scale directly. Each output's sum is 16 lane-wise partial sums over k (k mod 16, in k order),
- * then a fixed tree: the same bits for any M, group, or thread count, though not the AVX2 path's bits. */
+ * then a fixed tree: the same bits for any M, group, path or thread count, though not the AVX2 path's bits. */
 #define A512 __attribute__((target("avx512f,fma,f16c")))
 #define KC5 512
-#define G5 16
 
-/* acc[g] += wv * x[g][off .. off+16) for the G x rows of this group */
-#define FMA_ROWS(wv, off)                                                                                     \
+/* W[r] (r < RB, the same 16 values of RB stored rows): acc[r * G + g] += W[r] * x[g][off .. off + 16) for the G x
+ * rows; with RB > 1 each x vector is loaded once for the RB rows (the compiler would otherwise fold a load into
+ * every FMA). G = 0 stores W[r] at dst + r * KC5 + off instead: the scratch of the many-row path below. */
+#define FMA_RW(W, off)                                                                                        \
     do {                                                                                                      \
-        __m512 w_ = (wv);                                                                                     \
-        for (int g = 0; g < G; g++) acc[g] = _mm512_fmadd_ps(w_, _mm512_loadu_ps(x + g * ldx + (off)), acc[g]); \
+        if (G == 0)                                                                                           \
+            for (int r_ = 0; r_ < RB; r_++) _mm512_store_ps(dst + r_ * KC5 + (off), (W)[r_]);                \
+        for (int g = 0; g < G; g++) {                                                                         \
+            __m512 x_ = _mm512_loadu_ps(x + g * ldx + (off));                                                 \
+            if (RB > 1) __asm__("" : "+v"(x_));                                                               \
+            for (int r_ = 0; r_ < RB; r_++) acc[r_ * G + g] = _mm512_fmadd_ps((W)[r_], x_, acc[r_ * G + g]);  \
+        }                                                                                                     \
     } while (0)
 #define INL static inline __attribute__((always_inline)) A512
+/* the arguments of every block function: RB blocks (b[r], one per stored row), x at the blocks' first value */
+#define BLOCK_ARGS const uint8_t *const *b, const float *x, long ldx, __m512 *acc, float *dst, const int RB, const int G
 
 INL __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 /* *p in all lanes, as a load (vbroadcastss from memory runs on the load ports; the compiler would otherwise
@@ -264,125 +273,158 @@ INL __m512 bcast(const float *p) {
 }
 INL __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
 
-INL void b5_q4_k(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
-    uint32_t u[3], sm[4];
-    memcpy(u, b + 4, 12);
-    sm[0] = u[0] & 0x3f3f3f3f;                                                 /* scales 0-3 */
-    sm[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);           /* scales 4-7 */
-    sm[2] = u[1] & 0x3f3f3f3f;                                                 /* mins 0-3 */
-    sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);    /* mins 4-7 */
-    __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b)), _mm512_set1_ps(f16(b + 2)));
-    float s[16] __attribute__((aligned(64)));
-    _mm512_store_ps(s, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(u8x16((const uint8_t *)sm)))); /* d*sc, dmin*m */
-    const uint8_t *qs = b + 16;
+INL void b5_f32(BLOCK_ARGS) {
+    __m512 w[2];
+    for (int r = 0; r < RB; r++) w[r] = _mm512_loadu_ps((const float *)b[r]);
+    FMA_RW(w, 0);
+}
+
+INL void b5_f16(BLOCK_ARGS) {
+    __m512 w[2];
+    for (int r = 0; r < RB; r++) w[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)b[r]));
+    FMA_RW(w, 0);
+}
+
+INL void b5_q4_k(BLOCK_ARGS) {
+    float s[2][16] __attribute__((aligned(64)));
+    for (int r = 0; r < RB; r++) {
+        uint32_t u[3], sm[4];
+        memcpy(u, b[r] + 4, 12);
+        sm[0] = u[0] & 0x3f3f3f3f;                                              /* scales 0-3 */
+        sm[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);        /* scales 4-7 */
+        sm[2] = u[1] & 0x3f3f3f3f;                                              /* mins 0-3 */
+        sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* mins 4-7 */
+        __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b[r])), _mm512_set1_ps(f16(b[r] + 2)));
+        _mm512_store_ps(s[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(u8x16((const uint8_t *)sm)))); /* d*sc, dmin*m */
+    }
     for (int c = 0; c < 4; c++) {
-        __m512 t0 = _mm512_fmsub_ps(bcast(s + 2 * c), iota16(), bcast(s + 8 + 2 * c));
-        __m512 t1 = _mm512_fmsub_ps(bcast(s + 2 * c + 1), iota16(), bcast(s + 9 + 2 * c));
-        __m512i v0 = u8x16(qs + 32 * c), v1 = u8x16(qs + 32 * c + 16);
-        FMA_ROWS(_mm512_permutexvar_ps(v0, t0), 64 * c);
-        FMA_ROWS(_mm512_permutexvar_ps(v1, t0), 64 * c + 16);
-        FMA_ROWS(_mm512_permutexvar_ps(_mm512_srli_epi32(v0, 4), t1), 64 * c + 32);
-        FMA_ROWS(_mm512_permutexvar_ps(_mm512_srli_epi32(v1, 4), t1), 64 * c + 48);
+        __m512 t0[2], t1[2], w[2];
+        __m512i v0[2], v1[2];
+        for (int r = 0; r < RB; r++) {
+            t0[r] = _mm512_fmsub_ps(bcast(s[r] + 2 * c), iota16(), bcast(s[r] + 8 + 2 * c));
+            t1[r] = _mm512_fmsub_ps(bcast(s[r] + 2 * c + 1), iota16(), bcast(s[r] + 9 + 2 * c));
+            v0[r] = u8x16(b[r] + 16 + 32 * c);
+            v1[r] = u8x16(b[r] + 16 + 32 * c + 16);
+        }
+        for (int r = 0; r < RB; r++) w[r] = _mm512_permutexvar_ps(v0[r], t0[r]);
+        FMA_RW(w, 64 * c);
+        for (int r = 0; r < RB; r++) w[r] = _mm512_permutexvar_ps(v1[r], t0[r]);
+        FMA_RW(w, 64 * c + 16);
+        for (int r = 0; r < RB; r++) w[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v0[r], 4), t1[r]);
+        FMA_RW(w, 64 * c + 32);
+        for (int r = 0; r < RB; r++) w[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v1[r], 4), t1[r]);
+        FMA_RW(w, 64 * c + 48);
     }
 }
 
 /* The 6-bit codes are assembled 32 at a time in byte lanes (ymm logic, which does not compete with the
  * 512-bit FMAs for port 0), stored as q - 32 in int8, then sign-extended 16 at a time from that scratch. */
-INL void b5_q6_k(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
-    const uint8_t *ql = b, *qh = b + 128;
-    const int8_t *sc = (const int8_t *)(b + 192);
-    float ds[16] __attribute__((aligned(64)));
-    int8_t q[128] __attribute__((aligned(64)));
-    _mm512_store_ps(ds, _mm512_mul_ps(_mm512_set1_ps(f16(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                         _mm_loadu_si128((const __m128i *)sc)))));
+INL void b5_q6_k(BLOCK_ARGS) {
+    float ds[2][16] __attribute__((aligned(64)));
+    int8_t q[2][128] __attribute__((aligned(64)));
     const __m256i m0f = _mm256_set1_epi8(0x0f), m30 = _mm256_set1_epi8(0x30), c32 = _mm256_set1_epi8(32);
+    for (int r = 0; r < RB; r++)
+        _mm512_store_ps(ds[r], _mm512_mul_ps(_mm512_set1_ps(f16(b[r] + 208)), _mm512_cvtepi32_ps(
+                                   _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b[r] + 192))))));
     for (int h = 0; h < 2; h++) {
-        __m256i a = _mm256_loadu_si256((const __m256i *)(ql + h * 64)),
-                c = _mm256_loadu_si256((const __m256i *)(ql + h * 64 + 32)),
-                xh = _mm256_loadu_si256((const __m256i *)(qh + h * 32));
-        __m256i a4 = _mm256_and_si256(_mm256_srli_epi16(a, 4), m0f), c4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), m0f);
-        /* value h*128 + 32s + l: low four bits from a (s even) or c (s odd), bits 4-5 from xh bits 2s, 2s+1 */
-        _mm256_store_si256((__m256i *)q, _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m0f),
-                                          _mm256_and_si256(_mm256_slli_epi16(xh, 4), m30)), c32));
-        _mm256_store_si256((__m256i *)(q + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m0f),
-                                          _mm256_and_si256(_mm256_slli_epi16(xh, 2), m30)), c32));
-        _mm256_store_si256((__m256i *)(q + 64), _mm256_sub_epi8(_mm256_or_si256(a4, _mm256_and_si256(xh, m30)), c32));
-        _mm256_store_si256((__m256i *)(q + 96), _mm256_sub_epi8(_mm256_or_si256(c4,
-                                          _mm256_and_si256(_mm256_srli_epi16(xh, 2), m30)), c32));
+        for (int r = 0; r < RB; r++) {
+            const uint8_t *ql = b[r] + h * 64, *qh = b[r] + 128 + h * 32;
+            __m256i a = _mm256_loadu_si256((const __m256i *)ql), c = _mm256_loadu_si256((const __m256i *)(ql + 32)),
+                    xh = _mm256_loadu_si256((const __m256i *)qh);
+            __m256i a4 = _mm256_and_si256(_mm256_srli_epi16(a, 4), m0f),
+                    c4 = _mm256_and_si256(_mm256_srli_epi16(c, 4), m0f);
+            /* value h*128 + 32s + l: low four bits from a (s even) or c (s odd), bits 4-5 from xh bits 2s, 2s+1 */
+            _mm256_store_si256((__m256i *)q[r], _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(a, m0f),
+                                                _mm256_and_si256(_mm256_slli_epi16(xh, 4), m30)), c32));
+            _mm256_store_si256((__m256i *)(q[r] + 32), _mm256_sub_epi8(_mm256_or_si256(_mm256_and_si256(c, m0f),
+                                                       _mm256_and_si256(_mm256_slli_epi16(xh, 2), m30)), c32));
+            _mm256_store_si256((__m256i *)(q[r] + 64),
+                               _mm256_sub_epi8(_mm256_or_si256(a4, _mm256_and_si256(xh, m30)), c32));
+            _mm256_store_si256((__m256i *)(q[r] + 96), _mm256_sub_epi8(_mm256_or_si256(c4,
+                                                       _mm256_and_si256(_mm256_srli_epi16(xh, 2), m30)), c32));
+        }
         for (int v = 0; v < 8; v++) {
             int e = h * 128 + 16 * v;
-            __m512 w = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_load_si128((const __m128i *)(q + 16 * v))));
-            FMA_ROWS(_mm512_mul_ps(_mm512_set1_ps(ds[e / 16]), w), e);
+            __m512 w[2];
+            for (int r = 0; r < RB; r++)
+                w[r] = _mm512_mul_ps(_mm512_set1_ps(ds[r][e / 16]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                                                    _mm_load_si128((const __m128i *)(q[r] + 16 * v)))));
+            FMA_RW(w, e);
         }
     }
 }
 
-INL void b5_q8_0(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
-    __m512 d = _mm512_set1_ps(f16(b));
+INL void b5_q8_0(BLOCK_ARGS) {
     for (int h = 0; h < 2; h++) {
-        __m512i q = _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 2 + 16 * h)));
-        FMA_ROWS(_mm512_mul_ps(_mm512_cvtepi32_ps(q), d), 16 * h);
+        __m512 w[2];
+        for (int r = 0; r < RB; r++)
+            w[r] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b[r] + 2 + 16 * h)))),
+                                 _mm512_set1_ps(f16(b[r])));
+        FMA_RW(w, 16 * h);
     }
 }
 
-INL void b5_q5_0(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
-    __m512 d = _mm512_set1_ps(f16(b));
-    uint32_t qh;
-    memcpy(&qh, b + 2, 4);
-    __m512 lo = _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0f))); /* q < 16: d * (q - 16) */
-    __m512 hi = _mm512_mul_ps(d, iota16());                                       /* q >= 16 */
-    __m512i v = u8x16(b + 6), v4 = _mm512_srli_epi32(v, 4);
-    FMA_ROWS(_mm512_mask_blend_ps((__mmask16)qh, _mm512_permutexvar_ps(v, lo), _mm512_permutexvar_ps(v, hi)), 0);
-    FMA_ROWS(_mm512_mask_blend_ps((__mmask16)(qh >> 16), _mm512_permutexvar_ps(v4, lo),
-                                  _mm512_permutexvar_ps(v4, hi)), 16);
+INL void b5_q5_0(BLOCK_ARGS) {
+    __m512 lo[2], hi[2], w[2];
+    __m512i v[2];
+    uint32_t qh[2];
+    for (int r = 0; r < RB; r++) {
+        __m512 d = _mm512_set1_ps(f16(b[r]));
+        memcpy(&qh[r], b[r] + 2, 4);
+        lo[r] = _mm512_mul_ps(d, _mm512_sub_ps(iota16(), _mm512_set1_ps(16.0f))); /* q < 16: d * (q - 16) */
+        hi[r] = _mm512_mul_ps(d, iota16());                                       /* q >= 16 */
+        v[r] = u8x16(b[r] + 6);
+    }
+    for (int r = 0; r < RB; r++)
+        w[r] = _mm512_mask_blend_ps((__mmask16)qh[r], _mm512_permutexvar_ps(v[r], lo[r]), _mm512_permutexvar_ps(v[r], hi[r]));
+    FMA_RW(w, 0);
+    for (int r = 0; r < RB; r++) {
+        __m512i v4 = _mm512_srli_epi32(v[r], 4);
+        w[r] = _mm512_mask_blend_ps((__mmask16)(qh[r] >> 16), _mm512_permutexvar_ps(v4, lo[r]),
+                                    _mm512_permutexvar_ps(v4, hi[r]));
+    }
+    FMA_RW(w, 16);
 }
 
-INL void b5_q4_1(const uint8_t *b, const float *x, long ldx, __m512 *acc, const int G) {
-    __m512 t = _mm512_fmadd_ps(_mm512_set1_ps(f16(b)), iota16(), _mm512_set1_ps(f16(b + 2)));
-    __m512i v = u8x16(b + 4);
-    FMA_ROWS(_mm512_permutexvar_ps(v, t), 0);
-    FMA_ROWS(_mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), t), 16);
+INL void b5_q4_1(BLOCK_ARGS) {
+    __m512 t[2], w[2];
+    __m512i v[2];
+    for (int r = 0; r < RB; r++) {
+        t[r] = _mm512_fmadd_ps(_mm512_set1_ps(f16(b[r])), iota16(), _mm512_set1_ps(f16(b[r] + 2)));
+        v[r] = u8x16(b[r] + 4);
+    }
+    for (int r = 0; r < RB; r++) w[r] = _mm512_permutexvar_ps(v[r], t[r]);
+    FMA_RW(w, 0);
+    for (int r = 0; r < RB; r++) w[r] = _mm512_permutexvar_ps(_mm512_srli_epi32(v[r], 4), t[r]);
+    FMA_RW(w, 16);
 }
 
 /* Values [k0, k0 + len) of R stored rows against G x rows (x at value k0), accumulating into acc_r[G][16]
- * (acc_r = accp + r * MAX_ROWS * 16). R = 4 rows interleaved block by block give a few-row product 4
- * independent FMA chains instead of one latency-bound chain (R = 2 for 5-8 x rows: 10-16 chains, 5 rows
- * 239 -> 214-228 ms on the 1.5B); every (row, x row) keeps its own accumulator, so R changes the speed and
- * never the bits. */
-INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const float *x, long ldx, float *accp,
-               const int R, const int G) {
-    __m512 a[4 * G5 > 16 ? 4 * G5 : 16];
+ * (acc_r = accp + r * MAX_ROWS * 16), RB (1 or 2) stored rows per block step. R = 4 rows interleaved block by
+ * block give a few-row product 4 independent FMA chains instead of one latency-bound chain; for 5-8 x rows
+ * 2 rows go through each block step together, sharing every x load (8 rows: 16 FMAs for 10 loads, not 18).
+ * Every (row, x row) keeps its own accumulator and takes its FMAs in k order, so R and RB change the speed
+ * and never the bits. */
+INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const float *x0, long ldx, float *accp,
+               float *scratch, const int R, const int RB, const int G) {
+    __m512 a[16];
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) a[r * G + g] = _mm512_load_ps(accp + (r * MAX_ROWS + g) * 16);
-#define EACH_ROW(STEP, FN)                                                                      \
+#define EACH_ROW(STEP, BYTES, FN)                                                                             \
     for (long i = 0; i < len; i += STEP)                                                                      \
-        for (int r = 0; r < R; r++) {                                                                         \
-            __m512 *acc = a + r * G;                                                                          \
-            const uint8_t *row = rows[r];                                                                     \
-            FN;                                                                                               \
+        for (int r = 0; r < R; r += RB) {                                                                     \
+            const uint8_t *blk[2];                                                                            \
+            for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;                 \
+            FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G);              \
         }
     switch (qtype) {
-    case T_F32:
-        EACH_ROW(16, FMA_ROWS(_mm512_loadu_ps((const float *)row + k0 + i), i))
-        break;
-    case T_F16:
-        EACH_ROW(16, FMA_ROWS(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * (k0 + i)))), i))
-        break;
-    case T_Q4_1:
-        EACH_ROW(32, b5_q4_1(row + (k0 + i) / 32 * 20, x + i, ldx, acc, G))
-        break;
-    case T_Q5_0:
-        EACH_ROW(32, b5_q5_0(row + (k0 + i) / 32 * 22, x + i, ldx, acc, G))
-        break;
-    case T_Q8_0:
-        EACH_ROW(32, b5_q8_0(row + (k0 + i) / 32 * 34, x + i, ldx, acc, G))
-        break;
-    case T_Q4_K:
-        EACH_ROW(256, b5_q4_k(row + (k0 + i) / 256 * 144, x + i, ldx, acc, G))
-        break;
-    case T_Q6_K:
-        EACH_ROW(256, b5_q6_k(row + (k0 + i) / 256 * 210, x + i, ldx, acc, G))
-        break;
+    case T_F32: EACH_ROW(16, 64, b5_f32) break;
+    case T_F16: EACH_ROW(16, 32, b5_f16) break;
+    case T_Q4_1: EACH_ROW(32, 20, b5_q4_1) break;
+    case T_Q5_0: EACH_ROW(32, 22, b5_q5_0) break;
+    case T_Q8_0: EACH_ROW(32, 34, b5_q8_0) break;
+    case T_Q4_K: EACH_ROW(256, 144, b5_q4_k) break;
+    case T_Q6_K: EACH_ROW(256, 210, b5_q6_k) break;
     }
 #undef EACH_ROW
     for (int r = 0; r < R; r++)
@@ -390,25 +432,102 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
 }
 
 typedef void (*rows5_fn)(int, const uint8_t *const *, long, long, const float *, long, float *);
-#define ROWS5_FN(R_, G_)                                                                                      \
+#define ROWS5_FN(R_, RB_, G_)                                                                                 \
     static A512 void rows5_##R_##_##G_(int q, const uint8_t *const *r, long k0, long len, const float *x,      \
                                        long ldx, float *a) {                                                  \
-        rows5(q, r, k0, len, x, ldx, a, R_, G_);                                                              \
+        rows5(q, r, k0, len, x, ldx, a, NULL, R_, RB_, G_);                                                   \
     }
-ROWS5_FN(4, 1) ROWS5_FN(4, 2) ROWS5_FN(4, 3) ROWS5_FN(4, 4)
-ROWS5_FN(2, 5) ROWS5_FN(2, 6) ROWS5_FN(2, 7) ROWS5_FN(2, 8) ROWS5_FN(1, 9) ROWS5_FN(1, 10)
-ROWS5_FN(1, 11) ROWS5_FN(1, 12) ROWS5_FN(1, 13) ROWS5_FN(1, 14) ROWS5_FN(1, 15) ROWS5_FN(1, 16)
-/* by group size: up to 4 x rows take a tile's 4 stored rows at once, more take one stored row at a time */
-static const rows5_fn ROWS5[G5 + 1] = {
-    NULL,        rows5_4_1,   rows5_4_2,   rows5_4_3,   rows5_4_4,   rows5_2_5,   rows5_2_6,
-    rows5_2_7,   rows5_2_8,   rows5_1_9,   rows5_1_10,  rows5_1_11,  rows5_1_12,  rows5_1_13,
-    rows5_1_14,  rows5_1_15,  rows5_1_16};
+ROWS5_FN(4, 1, 1) ROWS5_FN(4, 1, 2) ROWS5_FN(4, 1, 3) ROWS5_FN(4, 1, 4)
+ROWS5_FN(2, 2, 5) ROWS5_FN(2, 2, 6) ROWS5_FN(2, 2, 7) ROWS5_FN(2, 2, 8)
+/* by x rows (more take the scratch path): up to 4 take a tile's 4 stored rows at once, 5-8 two at a time */
+static const rows5_fn ROWS5[9] = {NULL,      rows5_4_1, rows5_4_2, rows5_4_3, rows5_4_4,
+                                  rows5_2_5, rows5_2_6, rows5_2_7, rows5_2_8};
 
-static inline float hsum16(const float *v) {
-    float a[8], b[4];
-    for (int i = 0; i < 8; i++) a[i] = v[i] + v[i + 8];
-    for (int i = 0; i < 4; i++) b[i] = a[i] + a[i + 4];
-    return (b[0] + b[2]) + (b[1] + b[3]);
+/* The many-row path: a tile's TILE stored rows are dequantised once per chunk into an L1 scratch (the same
+ * exact weights, by the same code), then R scratch rows x G x rows run as R * G register accumulators, each
+ * x vector loaded once for R rows and each weight vector once for G rows. Every (row, x row) accumulator still
+ * takes its FMAs in k order at the same 16-lane offsets, so the bits equal the in-register path's. */
+static A512 void deq5_tile(int q, const uint8_t *const *r, long k0, long len, float *scratch) {
+    rows5(q, r, k0, len, NULL, 0, NULL, scratch, TILE, 1, 0);
+}
+
+INL void micro5(const float *w, const float *x, long ldx, float *accp, long len, const int R, const int G) {
+    __m512 a[16];
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) a[r * G + g] = _mm512_load_ps(accp + (r * MAX_ROWS + g) * 16);
+    for (long j = 0; j < len; j += 16) {
+        __m512 wv[4];
+        for (int r = 0; r < R; r++) wv[r] = _mm512_load_ps(w + r * KC5 + j);
+        for (int g = 0; g < G; g++) {
+            __m512 xv = _mm512_loadu_ps(x + g * ldx + j);
+            __asm__("" : "+v"(xv)); /* one load for the R rows (the compiler would fold a load into each FMA) */
+            for (int r = 0; r < R; r++) a[r * G + g] = _mm512_fmadd_ps(wv[r], xv, a[r * G + g]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int g = 0; g < G; g++) _mm512_store_ps(accp + (r * MAX_ROWS + g) * 16, a[r * G + g]);
+}
+
+typedef void (*micro5_fn)(const float *, const float *, long, float *, long);
+#define MICRO5_FN(R_, G_)                                                                                     \
+    static A512 void micro5_##R_##_##G_(const float *w, const float *x, long ldx, float *a, long len) {      \
+        micro5(w, x, ldx, a, len, R_, G_);                                                                    \
+    }
+MICRO5_FN(4, 1) MICRO5_FN(4, 2) MICRO5_FN(4, 3) MICRO5_FN(4, 4)
+MICRO5_FN(2, 5) MICRO5_FN(2, 6) MICRO5_FN(2, 7) MICRO5_FN(2, 8)
+/* by group size (at most 8 x rows): 4 scratch rows at once up to 4 x rows, 2 at a time for 5-8 */
+static const micro5_fn MICRO5[9] = {NULL,       micro5_4_1, micro5_4_2, micro5_4_3, micro5_4_4,
+                                    micro5_2_5, micro5_2_6, micro5_2_7, micro5_2_8};
+
+
+/* From this many x rows the AVX-512 path dequantises each chunk once into scratch and runs them 8 at a time
+ * over it, rather than dequantising in registers for every group of up to 16 (1.5B, 16 rows: 1271 -> 1048
+ * ms; at 5-8 rows the in-register path with its shared x loads is as fast or faster). Speed only: same bits. */
+#define SCRATCH_FROM 9
+
+/* hsum16 of 16 accumulators at once, each output by the very same additions in the same tree (lanes i and
+ * i + 8, then i and i + 4, then (0 + 2) + (1 + 3)), as 15 vector adds over shuffled halves rather than 240
+ * scalar ones: at 8 x rows the scalar sums were a sixth of a pass. */
+static A512 void hsum16x16(const float *const *v, float *const *out) {
+    __m512 t[8], s[4], z[2];
+    for (int p = 0; p < 8; p++) {
+        __m512 a = _mm512_load_ps(v[2 * p]), b = _mm512_load_ps(v[2 * p + 1]);
+        t[p] = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_f32x4(a, b, _MM_SHUFFLE(3, 2, 3, 2)));
+    }
+    for (int q = 0; q < 4; q++)
+        s[q] = _mm512_add_ps(_mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(t[2 * q], t[2 * q + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    for (int q = 0; q < 2; q++)
+        z[q] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * q], s[2 * q + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(s[2 * q], s[2 * q + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    __m512 r = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 1, 3, 1)));
+    /* lane 4L + e now holds output 4e + L */
+    r = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), r);
+    float res[16] __attribute__((aligned(64)));
+    _mm512_store_ps(res, r);
+    for (int i = 0; i < 16; i++) *out[i] = res[i];
+}
+
+/* Every output of a tile from its accumulators, 16 at a time (a short last group repeats its last one). */
+static void sum_tile(const job_t *j, const float *acc, long n0) {
+    const float *src[16];
+    float *dst[16];
+    int c = 0;
+    for (long i = 0; i < j->m; i++)
+        for (int r = 0; r < TILE && n0 + r < j->n; r++) {
+            src[c] = acc + (r * MAX_ROWS + i) * 16;
+            dst[c] = j->y + i * j->ldy + n0 + r;
+            if (++c == 16) {
+                hsum16x16(src, dst);
+                c = 0;
+            }
+        }
+    if (c) {
+        for (int i = c; i < 16; i++) src[i] = src[c - 1], dst[i] = dst[c - 1];
+        hsum16x16(src, dst);
+    }
 }
 
 static void run_tiles5(const job_t *j) {
@@ -416,6 +535,7 @@ static void run_tiles5(const job_t *j) {
     long bsize = j->qtype == T_Q4_K ? 144 : j->qtype == T_Q6_K ? 210 : j->qtype == T_Q4_1 ? 20
                : j->qtype == T_Q5_0 ? 22 : j->qtype == T_Q8_0 ? 34 : j->qtype == T_F16 ? 32 : 64;
     static __thread float acc[TILE * MAX_ROWS * 16] __attribute__((aligned(64)));
+    float scratch[TILE * KC5] __attribute__((aligned(64)));
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
         long n0 = t * TILE;
         for (int r = 0; r < TILE; r++) memset(acc + r * MAX_ROWS * 16, 0, sizeof(float) * j->m * 16);
@@ -429,24 +549,28 @@ static void run_tiles5(const job_t *j) {
                     for (long b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
                 rows[r] = j->w + (n0 + r < j->n ? n0 + r : n0) * j->row_bytes; /* past the end: recomputed, unused */
             }
-            for (long g0 = 0; g0 < j->m; g0 += G5) {
-                long g = j->m - g0 < G5 ? j->m - g0 : G5;
-                const float *x = j->x + g0 * j->ldx + k0;
-                if (g <= 4)
-                    ROWS5[g](j->qtype, rows, k0, len, x, j->ldx, acc + g0 * 16);
-                else if (g <= 8)  /* two stored rows at a time: 10-16 independent FMA chains */
-                    for (int r = 0; r < TILE; r += 2)
-                        ROWS5[g](j->qtype, rows + r, k0, len, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16);
-                else
-                    for (int r = 0; r < TILE && n0 + r < j->n; r++)
-                        ROWS5[g](j->qtype, rows + r, k0, len, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16);
+            if (j->m >= SCRATCH_FROM) {
+                deq5_tile(j->qtype, rows, k0, len, scratch);
+                for (long g0 = 0; g0 < j->m; g0 += 8) {
+                    long g = j->m - g0 < 8 ? j->m - g0 : 8;
+                    const float *x = j->x + g0 * j->ldx + k0;
+                    if (g <= 4)
+                        MICRO5[g](scratch, x, j->ldx, acc + g0 * 16, len);
+                    else
+                        for (int r = 0; r < TILE; r += 2)
+                            MICRO5[g](scratch + r * KC5, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16, len);
+                }
+            } else if (j->m <= 4) {
+                ROWS5[j->m](j->qtype, rows, k0, len, j->x + k0, j->ldx, acc);
+            } else { /* two stored rows at a time: 10-16 independent FMA chains, each x load shared by both */
+                for (int r = 0; r < TILE; r += 2)
+                    ROWS5[j->m](j->qtype, rows + r, k0, len, j->x + k0, j->ldx, acc + r * MAX_ROWS * 16);
             }
         }
-        for (long i = 0; i < j->m; i++)
-            for (int r = 0; r < TILE && n0 + r < j->n; r++)
-                j->y[i * j->ldy + n0 + r] = hsum16(acc + (r * MAX_ROWS + i) * 16);
+        sum_tile(j, acc, n0);
     }
 }
+
 
 /* -1 undecided, 0 the AVX2 path, 1 the AVX-512 path (where the CPU has it) */
 static int isa = -1;
