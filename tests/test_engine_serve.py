@@ -128,6 +128,30 @@ def test_policies_price_the_step_overhead_they_observe():
     assert fixed.overhead_ms == {}
 
 
+def test_acceptance_is_estimated_per_tested_token():
+    from core.engine.serve import acceptance_sample
+
+    assert acceptance_sample(3, 4) == 0.75  # 3 accepted, the 4th tested and rejected
+    assert acceptance_sample(4, 4) == 1.0
+    assert acceptance_sample(0, 4) == 0.0
+    assert acceptance_sample(1, 1) == 1.0 and acceptance_sample(0, 1) == 0.0
+    assert acceptance_sample(2, 6) == pytest.approx(2 / 3)
+
+
+def test_a_policy_that_stops_drafting_still_probes():
+    """Depth 0 learns no acceptance, so after PROBE_EVERY undrafted steps one step drafts a token per row."""
+    from core.engine.serve import PROBE_EVERY
+
+    table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
+    policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
+    seen = [policy.depths([0.5, 0.5]) for _ in range(2 * PROBE_EVERY)]
+    probes = [i for i, d in enumerate(seen) if d != [0, 0]]
+    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert all(seen[i] == [1, 1] for i in probes)
+    assert min(policy.depths([0.95, 0.95])) > 0 and policy.idle == 0  # drafting again resets the count
+    assert Policy("fixed", None, table).depths([0.5]) is None
+
+
 def test_a_ragged_target_prices_steps_by_their_mean_depth():
     """Padded verification pays rows x the deepest draft; ragged verification the mean tokens per row."""
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})

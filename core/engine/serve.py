@@ -36,6 +36,7 @@ from core.mechanisms import lookup
 
 MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6
+PROBE_EVERY = 16  # steps a policy may leave every row undrafted before one step drafts a token per row
 
 
 @dataclass
@@ -113,6 +114,14 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
     return table
 
 
+def acceptance_sample(accepted: int, drafted: int) -> float:
+    """Per-token acceptance seen in one chain step: accepted tokens over the tokens the target tested (every
+    accepted one, and the first rejected one unless the whole chain was accepted). The plain fraction
+    accepted / drafted would read a 0.9-per-token drafter as 0.78 on chains of 4, and price deep chains out."""
+    tested = accepted + 1 if accepted < drafted else drafted
+    return accepted / tested
+
+
 def expected_accepted(alpha: float, depth: int) -> float:
     """Tokens per step (bonus included) of a chain of `depth` with per-token acceptance `alpha`."""
     return sum(alpha ** k for k in range(depth + 1))
@@ -159,10 +168,22 @@ class Policy:
     token_cap: int = 0
     ragged: bool = False  # the target computes only real tree tokens (steps priced by their mean depth)
     overhead_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> depth -> ms
+    idle: int = 0  # steps in a row that drafted nothing
 
     def depths(self, alphas: list[float]) -> list[int] | None:
-        """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's)."""
-        return lookup("batching", self.name)(self, alphas)
+        """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
+        Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
+        for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
+        drafting out is corrected rather than kept for the rest of the run."""
+        depths = lookup("batching", self.name)(self, alphas)
+        if depths is None or max(depths, default=0) > 0:
+            self.idle = 0
+            return depths
+        self.idle += 1
+        if self.idle < PROBE_EVERY:
+            return depths
+        self.idle = 0
+        return [1] * len(depths)
 
     def observe(self, depths: list[int], step_ms: float) -> None:
         """Learn what a step of this batch size and depth (the deepest draft; the mean one on a ragged
@@ -244,7 +265,8 @@ def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]]
                 roots[b] = emitted[b][-1]
                 drafted = max(taken.trees[b].depths)
                 if drafted:
-                    alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, len(taken.paths[b]) / drafted))
+                    seen = acceptance_sample(len(taken.paths[b]), drafted)
+                    alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, seen))
             done = []
             for b in range(n):
                 out = outputs[rows[b]]
