@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import functools
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -168,8 +169,10 @@ def linear_tensors(path: str) -> list[tuple[str, GGUFMatrix]]:
 def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | None = None,
                 fp32: bool = True) -> dict[int, dict[str, float]]:
     """ms of one pass over every linear of a GGUF checkpoint with `rows` input rows: this kernel ("gguf") and
-    (fp32) torch F.linear on float32 copies, interleaved in one process, median of `repeats`; "<name> cpu" is
-    the process CPU time of the pass divided by the threads (on a shared machine wall time includes waiting)."""
+    (fp32) torch F.linear on float32 copies, median of `repeats`; "<name> cpu" is the process CPU time of the
+    pass divided by the threads (on a shared machine wall time includes waiting). Every repeat times every row
+    count and system in turn, so a slow spell of the machine falls on all of them: "gguf vs 1 row" is the
+    median over repeats of each pass against that repeat's 1-row pass."""
     mats = linear_tensors(path)
     t = threads or torch.get_num_threads()
     torch.set_num_threads(t)
@@ -178,20 +181,24 @@ def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | Non
     systems: dict[str, list] = {"gguf": [m for _, m in mats]}
     if fp32:
         systems["fp32"] = [lambda x, w=m.dequantize(): F.linear(x, w) for _, m in mats]
-    out: dict[int, dict[str, float]] = {}
+    order = [1] + [r for r in rows if r != 1]
+    xs = {m_rows: [torch.randn(m_rows, m.k) for _, m in mats] for m_rows in order}
+    times: dict[int, dict[str, list[float]]] = {m_rows: {} for m_rows in order}
     with torch.inference_mode():
-        for m_rows in rows:
-            xs = [torch.randn(m_rows, m.k) for _, m in mats]
-            times: dict[str, list[float]] = {}
-            for rep in range(repeats + 1):
+        for rep in range(repeats + 1):
+            for m_rows in order:
                 for name, fns in systems.items():
                     t0, c0 = time.perf_counter(), time.process_time()
-                    for f, x in zip(fns, xs):
+                    for f, x in zip(fns, xs[m_rows]):
                         f(x)
                     if rep:
-                        times.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
-                        times.setdefault(f"{name} cpu", []).append((time.process_time() - c0) * 1e3 / t)
-            out[m_rows] = {k: sorted(v)[len(v) // 2] for k, v in times.items()}
+                        times[m_rows].setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+                        times[m_rows].setdefault(f"{name} cpu", []).append((time.process_time() - c0) * 1e3 / t)
+    out: dict[int, dict[str, float]] = {}
+    for m_rows in rows:
+        out[m_rows] = {k: statistics.median(v) for k, v in times[m_rows].items()}
+        out[m_rows]["gguf vs 1 row"] = statistics.median(
+            a / b for a, b in zip(times[m_rows]["gguf"], times[1]["gguf"]))
     return out
 
 
@@ -215,11 +222,11 @@ def main(argv: list[str] | None = None) -> int:
     gb = sum(m.nbytes for _, m in mats) / 1e9
     threads = args.threads or torch.get_num_threads()
     print(f"{len(mats)} linears, {gb:.3f} GB of blocks, {threads} threads; ms per pass (wall, and CPU / threads)")
-    names = list(next(iter(result.values())))
-    print(f"{'rows':>5}" + "".join(f"{n:>11}" for n in names) + f"{'GB/s':>7}{'GB/s cpu':>9}"
+    names = [n for n in next(iter(result.values())) if n != "gguf vs 1 row"]
+    print(f"{'rows':>5}" + "".join(f"{n:>11}" for n in names) + f"{'vs 1 row':>9}{'GB/s':>7}{'GB/s cpu':>9}"
           + (f"{'fp32/gguf':>10}" if "fp32" in names else ""))
     for m, ms in result.items():
-        line = f"{m:>5}" + "".join(f"{ms[n]:>11.1f}" for n in names)
+        line = f"{m:>5}" + "".join(f"{ms[n]:>11.1f}" for n in names) + f"{ms['gguf vs 1 row']:>8.2f}x"
         line += f"{gb / ms['gguf'] * 1e3:>7.1f}{gb / ms['gguf cpu'] * 1e3:>9.1f}"
         line += f"{ms['fp32'] / ms['gguf']:>10.2f}" if "fp32" in ms else ""
         print(line)
