@@ -6,7 +6,8 @@ Batching policies (kind "batching" in core/mechanisms.py, looked up by name) dec
 depth per step:
   fixed     the recipe's tree for every row (stock behaviour);
   budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
-            size (down to 0: no speculation where it stops paying);
+            size (down to 0: no speculation where it stops paying, with a 1-token probe step every
+            PROBE_EVERY steps so the rows' acceptance estimates stay current);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
