@@ -139,16 +139,22 @@ def test_acceptance_is_estimated_per_tested_token():
 
 
 def test_a_policy_that_stops_drafting_still_probes():
-    """Depth 0 learns no acceptance, so after PROBE_EVERY undrafted steps one step drafts a token per row."""
-    from core.engine.serve import PROBE_EVERY
+    """Depth 0 learns no acceptance, so after PROBE_EVERY undrafted steps one step drafts a token per row;
+    each probe that changes nothing doubles the wait for the next, up to PROBE_MAX."""
+    from core.engine.serve import PROBE_EVERY, PROBE_MAX
 
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
     policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
-    seen = [policy.depths([0.5, 0.5]) for _ in range(2 * PROBE_EVERY)]
+    waits = [PROBE_EVERY]
+    while waits[-1] < PROBE_MAX:
+        waits.append(min(2 * waits[-1], PROBE_MAX))
+    waits += [PROBE_MAX, PROBE_MAX]
+    seen = [policy.depths([0.5, 0.5]) for _ in range(sum(waits))]
     probes = [i for i, d in enumerate(seen) if d != [0, 0]]
-    assert probes == [PROBE_EVERY - 1, 2 * PROBE_EVERY - 1]
+    assert probes == [sum(waits[:j + 1]) - 1 for j in range(len(waits))]
     assert all(seen[i] == [1, 1] for i in probes)
     assert min(policy.depths([0.95, 0.95])) > 0 and policy.idle == 0  # drafting again resets the count
+    assert policy.probe_every == PROBE_EVERY  # and the wait
     assert Policy("fixed", None, table).depths([0.5]) is None
 
 

@@ -6,8 +6,9 @@ Batching policies (kind "batching" in core/mechanisms.py, looked up by name) dec
 depth per step:
   fixed     the recipe's tree for every row (stock behaviour);
   budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
-            size (down to 0: no speculation where it stops paying, with a 1-token probe step every
-            PROBE_EVERY steps so the rows' acceptance estimates stay current);
+            size (down to 0: no speculation where it stops paying, with a 1-token probe step after
+            PROBE_EVERY undrafted steps, then after twice as many each time a probe changes nothing, up
+            to PROBE_MAX, so the rows' acceptance estimates stay current at a bounded cost);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
@@ -38,6 +39,7 @@ from core.mechanisms import lookup
 MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6
 PROBE_EVERY = 16  # steps a policy may leave every row undrafted before one step drafts a token per row
+PROBE_MAX = 128  # the longest wait between probes that keep finding drafting not worth it
 
 
 @dataclass
@@ -170,20 +172,25 @@ class Policy:
     ragged: bool = False  # the target computes only real tree tokens (steps priced by their mean depth)
     overhead_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> depth -> ms
     idle: int = 0  # steps in a row that drafted nothing
+    probe_every: int = PROBE_EVERY  # undrafted steps before the next probe
 
     def depths(self, alphas: list[float]) -> list[int] | None:
         """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
         Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
-        drafting out is corrected rather than kept for the rest of the run."""
+        drafting out is corrected rather than kept for the rest of the run. A probe after which the policy
+        still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so where speculation
+        truly does not pay (a wide batch) the probes cost less and less; drafting again resets the wait."""
         depths = lookup("batching", self.name)(self, alphas)
         if depths is None or max(depths, default=0) > 0:
             self.idle = 0
+            self.probe_every = PROBE_EVERY
             return depths
         self.idle += 1
-        if self.idle < PROBE_EVERY:
+        if self.idle < self.probe_every:
             return depths
         self.idle = 0
+        self.probe_every = min(2 * self.probe_every, PROBE_MAX)
         return [1] * len(depths)
 
     def observe(self, depths: list[int], step_ms: float) -> None:
