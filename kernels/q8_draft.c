@@ -11,8 +11,10 @@
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define QK 32
+#define PREFETCH_ROWS 16 /* weight rows ahead of the VNNI 4-bit loop that it prefetches */
 
 /* Rows of float32 values into int8 blocks: d = max|v| / 127, q = round(v / d) (0 where the block is 0). */
 void q8_quantize(const float *v, long rows, long k, int8_t *q, float *d) {
@@ -165,50 +167,72 @@ static void q4_rows_avx2(const uint8_t *w, const uint16_t *d, long k, long n0, l
     }
 }
 
-/* one pair of 4-bit blocks (64 weights) times its x bytes, scaled: lanes 0-7 block 2c, 8-15 block 2c + 1;
- * `init` holds -8 * each block's x sum in its first lane */
-VNNI static inline __m512 q4_pair(const uint8_t *w, const uint16_t *d, const int8_t *xq, const float *xd,
-                                  const int32_t *init) {
-    const __m512i halves = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
-    const __m256i mask = _mm256_set1_epi8(0x0F);
-    __m256i v = _mm256_loadu_si256((const __m256i *)w);
-    __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, mask)),
-                                      _mm256_and_si256(_mm256_srli_epi16(v, 4), mask), 1);
-    __m512i wv = _mm512_shuffle_i64x2(both, both, _MM_SHUFFLE(3, 1, 2, 0));
-    __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(init), wv, _mm512_loadu_si512(xq));
+/* The VNNI path's 4-bit pair (blocks 2c, 2c + 1: 64 weights) as 64 code bytes with no cross-lane shuffle: the
+ * pair's 32 bytes are broadcast to both 256-bit halves, the upper half shifted by 4, and both masked, giving
+ * [b0 w0-15, b1 w0-15, b0 w16-31, b1 w16-31]; the call's x bytes are permuted to that order once (`xp`), so
+ * int32 lanes 0-3 and 8-11 hold block 2c's dot and 4-7, 12-15 block 2c + 1's. `init` holds -8 * each block's
+ * x sum in lanes 0 and 4. */
+VNNI static inline __m512 q4_pair(const uint8_t *w, const uint16_t *d, const int8_t *xp, const float *xd,
+                                  const int32_t *init, __m512 acc) {
+    const __m512i shifts = _mm512_set_epi64(4, 4, 4, 4, 0, 0, 0, 0), mask = _mm512_set1_epi8(0x0F);
+    const __m512i spread = _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
+    __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)w));
+    __m512i p = _mm512_dpbusd_epi32(_mm512_loadu_si512(init), _mm512_and_si512(_mm512_srlv_epi64(v, shifts), mask),
+                                    _mm512_loadu_si512(xp));
     __m128 two = _mm_mul_ps(_mm_cvtph_ps(_mm_cvtsi32_si128(*(const int *)d)),
                             _mm_castpd_ps(_mm_load_sd((const double *)xd)));
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(halves, _mm512_castps128_ps512(two)));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(p), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(two)), acc);
 }
 
+/* the sums of four 16-lane vectors, in one 4-lane vector (shuffles of whole vectors, not four reductions) */
+VNNI static inline __m128 hsum4x16(__m512 a, __m512 b, __m512 c, __m512 d) {
+    __m512 ab = _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xEE));
+    __m512 cd = _mm512_add_ps(_mm512_shuffle_f32x4(c, d, 0x44), _mm512_shuffle_f32x4(c, d, 0xEE));
+    __m512 s = _mm512_add_ps(_mm512_shuffle_f32x4(ab, cd, 0x88), _mm512_shuffle_f32x4(ab, cd, 0xDD));
+    s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, _MM_SHUFFLE(1, 0, 3, 2)));
+    s = _mm512_add_ps(s, _mm512_shuffle_ps(s, s, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), s));
+}
+
+/* Four weight rows at a time (four independent accumulator chains, one 4-way horizontal sum); xps is x in the
+ * pair order above, xqs the plain quantised x (for an odd last block). */
 VNNI static void q4_rows_vnni(const uint8_t *w, const uint16_t *d, long k, long n0, long n1, const int8_t *xqs,
-                              const float *xds, const int32_t *inits, long m, long ldy, float *ys) {
+                              const int8_t *xps, const float *xds, const int32_t *inits, long m, long ldy, float *ys) {
     long nb = k / QK, pairs = nb / 2;
-    for (long n = n0; n < n1; n++) for (long r = 0; r < m; r++) {
-        const uint8_t *wr = w + n * (k / 2);
-        const uint16_t *dr = d + n * nb;
-        const int8_t *xq = xqs + r * k;
-        const float *xd = xds + r * nb;
-        const int32_t *init = inits + r * pairs * 16;
-        __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-        long c = 0;
-        for (; c + 1 < pairs; c += 2) {  /* two accumulators: the adds do not wait on each other */
-            acc0 = _mm512_add_ps(acc0, q4_pair(wr + c * 32, dr + 2 * c, xq + c * 64, xd + 2 * c, init + c * 16));
-            acc1 = _mm512_add_ps(acc1, q4_pair(wr + (c + 1) * 32, dr + 2 * (c + 1), xq + (c + 1) * 64,
-                                               xd + 2 * (c + 1), init + (c + 1) * 16));
+    for (long n = n0; n < n1; n += 4) {
+        int g = n1 - n < 4 ? (int)(n1 - n) : 4;
+        if (n + PREFETCH_ROWS + 4 <= n1) { /* the rows a few groups ahead, codes and scales */
+            const char *next = (const char *)(w + (n + PREFETCH_ROWS) * (k / 2));
+            for (long b = 0; b < 4 * (k / 2); b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
+            for (long b = 0; b < 4 * nb * 2; b += 64) _mm_prefetch((const char *)(d + (n + PREFETCH_ROWS) * nb) + b, _MM_HINT_T0);
         }
-        if (c < pairs) acc0 = _mm512_add_ps(acc0, q4_pair(wr + c * 32, dr + 2 * c, xq + c * 64, xd + 2 * c, init + c * 16));
-        float tail = 0.0f;
-        if (nb % 2) {
-            long b = nb - 1;
-            tail = hsum8(_mm256_mul_ps(q4_block_dot(wr + b * 16, xq + b * QK), _mm256_set1_ps(_cvtsh_ss(dr[b]) * xd[b])));
+        for (long r = 0; r < m; r++) {
+            const int8_t *xp = xps + r * k, *xq = xqs + r * k;
+            const float *xd = xds + r * nb;
+            const int32_t *init = inits + r * pairs * 16;
+            __m512 acc[4];
+            for (int i = 0; i < 4; i++) acc[i] = _mm512_setzero_ps();
+            for (long c = 0; c < pairs; c++)
+                for (int i = 0; i < g; i++)
+                    acc[i] = q4_pair(w + (n + i) * (k / 2) + c * 32, d + (n + i) * nb + 2 * c, xp + c * 64, xd + 2 * c,
+                                     init + c * 16, acc[i]);
+            float out[4];
+            _mm_storeu_ps(out, hsum4x16(acc[0], acc[1], acc[2], acc[3]));
+            for (int i = 0; i < g; i++) {
+                float tail = 0.0f;
+                if (nb % 2) {
+                    long b = nb - 1;
+                    tail = hsum8(_mm256_mul_ps(q4_block_dot(w + (n + i) * (k / 2) + b * 16, xq + b * QK),
+                                               _mm256_set1_ps(_cvtsh_ss(d[(n + i) * nb + b]) * xd[b])));
+                }
+                ys[r * ldy + n + i] = out[i] + tail;
+            }
         }
-        ys[r * ldy + n] = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1)) + tail;
     }
 }
 
 typedef struct {
-    const int8_t *w, *xq;
+    const int8_t *w, *xq, *xp;
     const float *d, *xd;
     const int32_t *inits;
     const uint16_t *d4;  /* set for 4-bit weights (w then holds nibbles) */
@@ -218,9 +242,10 @@ typedef struct {
 } job_t;
 
 static void run(const job_t *j) {
-    if (j->d4)
-        (j->vnni ? q4_rows_vnni : q4_rows_avx2)((const uint8_t *)j->w, j->d4, j->k, j->n0, j->n1, j->xq, j->xd,
-                                                j->inits, j->m, j->n, j->y);
+    if (j->d4 && j->vnni)
+        q4_rows_vnni((const uint8_t *)j->w, j->d4, j->k, j->n0, j->n1, j->xq, j->xp, j->xd, j->inits, j->m, j->n, j->y);
+    else if (j->d4)
+        q4_rows_avx2((const uint8_t *)j->w, j->d4, j->k, j->n0, j->n1, j->xq, j->xd, j->inits, j->m, j->n, j->y);
     else
         (j->vnni ? rows_vnni : rows_avx2)(j->w, j->d, j->k, j->n0, j->n1, j->xq, j->xd, j->m, j->n, j->y);
 }
@@ -238,32 +263,39 @@ static int matmul(const float *x, long m, const void *w, const float *d, const u
     if (k % QK || m < 1 || n < 1) return 1;
     if (use_vnni < 0) q8_isa(-1);
     long nb = k / QK, pairs = nb / 2;
-    int8_t *xq = malloc((size_t)(m * k));
+    int8_t *xq = malloc((size_t)(m * k)), *xp = d4 && use_vnni ? malloc((size_t)(m * k)) : NULL;
     float *xd = malloc(sizeof(float) * (size_t)(m * nb));
     int32_t *inits = calloc((size_t)(m * pairs * 16 + 1), sizeof(int32_t));
-    if (!xq || !xd || !inits) {
+    if (!xq || !xd || !inits || (d4 && use_vnni && !xp)) {
         free(xq);
+        free(xp);
         free(xd);
         free(inits);
         return 2;
     }
     q8_quantize(x, m, k, xq, xd);
+    /* -8 * each block's x sum, where its path's pair adds it: lanes 0 / 8 (AVX2) or 0 / 4 (VNNI) */
     for (long r = 0; r < m && d4; r++)
         for (long b = 0; b < 2 * pairs; b++) {
             int32_t s = 0;
             for (int j = 0; j < QK; j++) s += xq[r * k + b * QK + j];
-            inits[r * pairs * 16 + (b / 2) * 16 + (b % 2) * 8] = -8 * s;
+            inits[r * pairs * 16 + (b / 2) * 16 + (b % 2) * (use_vnni ? 4 : 8)] = -8 * s;
         }
+    for (long r = 0; xp && r < m; r++) /* the VNNI pair's byte order: b0 0-15, b1 0-15, b0 16-31, b1 16-31 */
+        for (long c = 0; c < pairs; c++)
+            for (int h = 0; h < 4; h++)
+                memcpy(xp + r * k + c * 64 + 16 * h, xq + r * k + (2 * c + (h & 1)) * QK + 16 * (h >> 1), 16);
     if (threads < 1) threads = 1;
     if (threads > 64) threads = 64;
     if (threads > n) threads = (int)n;
     job_t jobs[64];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (job_t){w, xq, d, xd, inits, d4, k, n, m, n * t / threads, n * (t + 1) / threads, y, use_vnni};
+        jobs[t] = (job_t){w, xq, xp, d, xd, inits, d4, k, n, m, n * t / threads, n * (t + 1) / threads, y, use_vnni};
     /* on the process's OpenMP team (torch's threads), as in gguf_blocks.c */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
     for (int t = 0; t < threads; t++) run(&jobs[t]);
     free(xq);
+    free(xp);
     free(xd);
     free(inits);
     return 0;
