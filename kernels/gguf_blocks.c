@@ -271,7 +271,27 @@ INL __m512 bcast(const float *p) {
     __asm__("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
     return r;
 }
+/* 16 int8 at p sign-extended, from memory (the compiler would keep a stored scratch in registers and extract
+ * each quarter with one more shuffle) */
+INL __m512i i8x16(const int8_t *p) {
+    __m512i r;
+    __asm__("vpmovsxbd %1, %0" : "=v"(r) : "m"(*(const __m128i *)p));
+    return r;
+}
+/* v * *p with *p as an embedded broadcast, not a shuffle of a register */
+INL __m512 mul_bcast(__m512 v, const float *p) {
+    __asm__("vmulps %1%{1to16%}, %0, %0" : "+v"(v) : "m"(*p));
+    return v;
+}
 INL __m512 iota16(void) { return _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15); }
+/* {q * *a - *b : q < 16}, rounded once like the reference's multiply then subtract (q * *a is exact), with both
+ * scalars as embedded broadcasts of the arithmetic's memory operand: a vbroadcastss of its own takes an FP pipe */
+INL __m512 table16(const float *a, const float *b) {
+    __m512 t;
+    __asm__("vmulps %1%{1to16%}, %2, %0" : "=v"(t) : "m"(*a), "v"(iota16()));
+    __asm__("vsubps %1%{1to16%}, %0, %0" : "+v"(t) : "m"(*b));
+    return t;
+}
 
 INL void b5_f32(BLOCK_ARGS) {
     __m512 w[2];
@@ -285,24 +305,29 @@ INL void b5_f16(BLOCK_ARGS) {
     FMA_RW(w, 0);
 }
 
+/* Q4_K's 8 six-bit scales and 8 mins (12 bytes at b + 4) as 16 dword lanes [sc 0-7, m 0-7], unpacked in an
+ * xmm: built by scalar stores and reloaded as one vector, they would wait on a failed store forward. */
+INL __m512i q4k_scales(const uint8_t *b) {
+    __m128i v = _mm_loadu_si128((const __m128i *)(b + 4)); /* u0, u1, u2 (and 4 bytes of codes, unused) */
+    __m128i lo6 = _mm_and_si128(v, _mm_set1_epi32(0x3f3f3f3f));                                   /* sm0, sm2 */
+    __m128i u2 = _mm_srlv_epi32(_mm_shuffle_epi32(v, _MM_SHUFFLE(2, 2, 2, 2)), _mm_setr_epi32(0, 4, 0, 4));
+    __m128i top = _mm_slli_epi32(_mm_and_si128(_mm_srli_epi32(v, 6), _mm_set1_epi32(0x03030303)), 4);
+    __m128i hi6 = _mm_or_si128(_mm_and_si128(u2, _mm_set1_epi32(0x0f0f0f0f)), top);              /* sm1, sm3 */
+    return _mm512_cvtepu8_epi32(_mm_unpacklo_epi32(lo6, hi6));
+}
+
 INL void b5_q4_k(BLOCK_ARGS) {
     float s[2][16] __attribute__((aligned(64)));
     for (int r = 0; r < RB; r++) {
-        uint32_t u[3], sm[4];
-        memcpy(u, b[r] + 4, 12);
-        sm[0] = u[0] & 0x3f3f3f3f;                                              /* scales 0-3 */
-        sm[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);        /* scales 4-7 */
-        sm[2] = u[1] & 0x3f3f3f3f;                                              /* mins 0-3 */
-        sm[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4); /* mins 4-7 */
         __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b[r])), _mm512_set1_ps(f16(b[r] + 2)));
-        _mm512_store_ps(s[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(u8x16((const uint8_t *)sm)))); /* d*sc, dmin*m */
+        _mm512_store_ps(s[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(q4k_scales(b[r])))); /* d*sc, dmin*m */
     }
     for (int c = 0; c < 4; c++) {
         __m512 t0[2], t1[2], w[2];
         __m512i v0[2], v1[2];
         for (int r = 0; r < RB; r++) {
-            t0[r] = _mm512_fmsub_ps(bcast(s[r] + 2 * c), iota16(), bcast(s[r] + 8 + 2 * c));
-            t1[r] = _mm512_fmsub_ps(bcast(s[r] + 2 * c + 1), iota16(), bcast(s[r] + 9 + 2 * c));
+            t0[r] = table16(s[r] + 2 * c, s[r] + 8 + 2 * c);
+            t1[r] = table16(s[r] + 2 * c + 1, s[r] + 9 + 2 * c);
             v0[r] = u8x16(b[r] + 16 + 32 * c);
             v1[r] = u8x16(b[r] + 16 + 32 * c + 16);
         }
@@ -346,9 +371,7 @@ INL void b5_q6_k(BLOCK_ARGS) {
         for (int v = 0; v < 8; v++) {
             int e = h * 128 + 16 * v;
             __m512 w[2];
-            for (int r = 0; r < RB; r++)
-                w[r] = _mm512_mul_ps(_mm512_set1_ps(ds[r][e / 16]), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
-                                                                    _mm_load_si128((const __m128i *)(q[r] + 16 * v)))));
+            for (int r = 0; r < RB; r++) w[r] = mul_bcast(_mm512_cvtepi32_ps(i8x16(q[r] + 16 * v)), ds[r] + e / 16);
             FMA_RW(w, e);
         }
     }
@@ -412,7 +435,7 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
         for (int g = 0; g < G; g++) a[r * G + g] = _mm512_load_ps(accp + (r * MAX_ROWS + g) * 16);
 #define EACH_ROW(STEP, BYTES, FN)                                                                             \
     for (long i = 0; i < len; i += STEP)                                                                      \
-        for (int r = 0; r < R; r += RB) {                                                                     \
+        _Pragma("GCC unroll 4") for (int r = 0; r < R; r += RB) {                                             \
             const uint8_t *blk[2];                                                                            \
             for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;                 \
             FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G);              \
