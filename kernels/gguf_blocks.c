@@ -316,12 +316,14 @@ INL __m512i q4k_scales(const uint8_t *b) {
     return _mm512_cvtepu8_epi32(_mm_unpacklo_epi32(lo6, hi6));
 }
 
-INL void b5_q4_k(BLOCK_ARGS) {
-    float s[2][16] __attribute__((aligned(64)));
-    for (int r = 0; r < RB; r++) {
-        __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b[r])), _mm512_set1_ps(f16(b[r] + 2)));
-        _mm512_store_ps(s[r], _mm512_mul_ps(dd, _mm512_cvtepi32_ps(q4k_scales(b[r])))); /* d*sc, dmin*m */
-    }
+/* d*sc and dmin*m of one Q4_K block, 16 floats at s */
+INL void q4k_prep(const uint8_t *b, float *s) {
+    __m512 dd = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(f16(b)), _mm512_set1_ps(f16(b + 2)));
+    _mm512_store_ps(s, _mm512_mul_ps(dd, _mm512_cvtepi32_ps(q4k_scales(b))));
+}
+
+/* s: the RB blocks' q4k_prep, which EACH_ROW_PREP computes ahead */
+INL void b5_q4_k(BLOCK_ARGS, const float (*s)[16]) {
     for (int c = 0; c < 4; c++) {
         __m512 t0[2], t1[2], w[2];
         __m512i v0[2], v1[2];
@@ -440,16 +442,32 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
             for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;                 \
             FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G);              \
         }
+/* the same, with every block's scales in the chunk computed first by PREP (16 floats a block): a block's
+ * scales are a long chain of dependent steps, and computed just before its products they hold up the FMAs */
+#define EACH_ROW_PREP(STEP, BYTES, PREP, FN)                                                                  \
+    {                                                                                                         \
+        float sc_[KC5 / STEP][4][16] __attribute__((aligned(64)));                                            \
+        for (long i = 0; i < len; i += STEP)                                                                  \
+            for (int r = 0; r < R; r++) PREP(rows[r] + (k0 + i) / STEP * BYTES, sc_[i / STEP][r]);            \
+        for (long i = 0; i < len; i += STEP)                                                                  \
+            _Pragma("GCC unroll 4") for (int r = 0; r < R; r += RB) {                                         \
+                const uint8_t *blk[2];                                                                        \
+                for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;             \
+                FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G,           \
+                   (const float(*)[16])sc_[i / STEP][r]);                                                     \
+            }                                                                                                 \
+    }
     switch (qtype) {
     case T_F32: EACH_ROW(16, 64, b5_f32) break;
     case T_F16: EACH_ROW(16, 32, b5_f16) break;
     case T_Q4_1: EACH_ROW(32, 20, b5_q4_1) break;
     case T_Q5_0: EACH_ROW(32, 22, b5_q5_0) break;
     case T_Q8_0: EACH_ROW(32, 34, b5_q8_0) break;
-    case T_Q4_K: EACH_ROW(256, 144, b5_q4_k) break;
+    case T_Q4_K: EACH_ROW_PREP(256, 144, q4k_prep, b5_q4_k) break;
     case T_Q6_K: EACH_ROW(256, 210, b5_q6_k) break;
     }
 #undef EACH_ROW
+#undef EACH_ROW_PREP
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) _mm512_store_ps(accp + (r * MAX_ROWS + g) * 16, a[r * G + g]);
 }
