@@ -264,13 +264,6 @@ static void run_tiles(const job_t *j) {
 #define BLOCK_ARGS const uint8_t *const *b, const float *x, long ldx, __m512 *acc, float *dst, const int RB, const int G
 
 INL __m512i u8x16(const uint8_t *p) { return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
-/* *p in all lanes, as a load (vbroadcastss from memory runs on the load ports; the compiler would otherwise
- * turn a store-then-broadcast into vpermps on port 5, which the table lookups already keep busy) */
-INL __m512 bcast(const float *p) {
-    __m512 r;
-    __asm__("vbroadcastss %1, %0" : "=v"(r) : "m"(*p));
-    return r;
-}
 /* 16 int8 at p sign-extended, from memory (the compiler would keep a stored scratch in registers and extract
  * each quarter with one more shuffle) */
 INL __m512i i8x16(const int8_t *p) {
