@@ -428,13 +428,14 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
     __m512 a[16];
     for (int r = 0; r < R; r++)
         for (int g = 0; g < G; g++) a[r * G + g] = _mm512_load_ps(accp + (r * MAX_ROWS + g) * 16);
-#define EACH_ROW(STEP, BYTES, FN)                                                                             \
-    for (long i = 0; i < len; i += STEP)                                                                      \
-        _Pragma("GCC unroll 4") for (int r = 0; r < R; r += RB) {                                             \
-            const uint8_t *blk[2];                                                                            \
-            for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;                 \
-            FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G);              \
-        }
+/* one block step of every stored row, RB at a time (an optional last argument: the rows' prepared scales) */
+#define ROWS_STEP(STEP, BYTES, FN, ...)                                                                       \
+    _Pragma("GCC unroll 4") for (int r = 0; r < R; r += RB) {                                                 \
+        const uint8_t *blk[2];                                                                                \
+        for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;                     \
+        FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G, ##__VA_ARGS__);   \
+    }
+#define EACH_ROW(STEP, BYTES, FN) for (long i = 0; i < len; i += STEP) ROWS_STEP(STEP, BYTES, FN)
 /* the same, with every block's scales in the chunk computed first by PREP (16 floats a block): a block's
  * scales are a long chain of dependent steps, and computed just before its products they hold up the FMAs */
 #define EACH_ROW_PREP(STEP, BYTES, PREP, FN)                                                                  \
@@ -442,13 +443,7 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
         float sc_[KC5 / STEP][4][16] __attribute__((aligned(64)));                                            \
         for (long i = 0; i < len; i += STEP)                                                                  \
             for (int r = 0; r < R; r++) PREP(rows[r] + (k0 + i) / STEP * BYTES, sc_[i / STEP][r]);            \
-        for (long i = 0; i < len; i += STEP)                                                                  \
-            _Pragma("GCC unroll 4") for (int r = 0; r < R; r += RB) {                                         \
-                const uint8_t *blk[2];                                                                        \
-                for (int r_ = 0; r_ < RB; r_++) blk[r_] = rows[r + r_] + (k0 + i) / STEP * BYTES;             \
-                FN(blk, G ? x0 + i : NULL, ldx, a + r * G, G ? NULL : scratch + r * KC5 + i, RB, G,           \
-                   (const float(*)[16])sc_[i / STEP][r]);                                                     \
-            }                                                                                                 \
+        for (long i = 0; i < len; i += STEP) ROWS_STEP(STEP, BYTES, FN, (const float(*)[16])sc_[i / STEP][r]) \
     }
     switch (qtype) {
     case T_F32: EACH_ROW(16, 64, b5_f32) break;
@@ -459,6 +454,7 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
     case T_Q4_K: EACH_ROW_PREP(256, 144, q4k_prep, b5_q4_k) break;
     case T_Q6_K: EACH_ROW(256, 210, b5_q6_k) break;
     }
+#undef ROWS_STEP
 #undef EACH_ROW
 #undef EACH_ROW_PREP
     for (int r = 0; r < R; r++)
