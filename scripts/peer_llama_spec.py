@@ -39,12 +39,13 @@ def llama(binary: str, args: list[str], prompt: str) -> tuple[str, str]:
     return out[at + len(prompt):].rstrip("\n"), proc.stderr
 
 
-def same_tokens(tok, reference: list[int], text: str) -> int:
-    """How many of the reference's tokens llama.cpp's text reproduces before the first differing character."""
+def same_tokens(tok, reference: list[int], text: str) -> int | None:
+    """None when llama.cpp's text equals the reference's; otherwise how many of the reference's tokens it
+    reproduces before the first differing character."""
     ref = tok.decode(reference, skip_special_tokens=True)
+    if ref == text:
+        return None
     n = next((i for i, (a, b) in enumerate(zip(ref, text)) if a != b), min(len(ref), len(text)))
-    if n == len(ref) == len(text):
-        return len(reference)
     return max(i for i in range(len(reference) + 1) if len(tok.decode(reference[:i], skip_special_tokens=True)) <= n)
 
 
@@ -69,12 +70,12 @@ def main() -> None:
         print(f"request {r}: {len(ids)} prompt tokens, reference {len(reference)} tokens", flush=True)
         for name, (binary, args) in modes.items():
             text, err = llama(binary, args, prompt)
-            speed = re.search(r"decoded\s+(\d+) tokens in\s+([\d.]+) s.*?speed:\s+([\d.]+) t/s", err)
+            speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ s.*?speed:\s+([\d.]+) t/s", err)
             accept = re.search(r"accept\s+=\s+([\d.]+)%", err)
             same = same_tokens(tok, reference, text)
-            print(f"  {name}: {float(speed.group(3)) if speed and binary != 'llama-simple' else '-'} tok/s, "
+            print(f"  {name}: {float(speed.group(1)) if speed and binary != 'llama-simple' else '-'} tok/s, "
                   f"accepted {accept.group(1) + '%' if accept else '-'}, "
-                  f"{'identical' if same == len(reference) else f'diverges after {same} tokens'}", flush=True)
+                  f"{'identical' if same is None else f'diverges after {same} tokens'}", flush=True)
         g = eng.generate([ids], NEW, q4)
         loop = sum(s.draft_ms + s.verify_ms + s.commit_ms + s.host_ms for s in g.steps) / 1e3
         assert g.tokens[0] == reference, "stock-gguf-q4 differs from the reference"
