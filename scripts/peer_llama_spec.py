@@ -16,11 +16,13 @@ import torch
 from core import workload
 from core.engine import gguf
 from core.engine.engine import Engine
+from core.fetch import DEPLOYMENTS
 from core.recipe import builtin
+from kernels import cache_dir
 from transformers import AutoTokenizer
 
-M = os.path.expanduser("~/.cache/specpilot/models/")
-TARGET, DRAFT = M + "qwen2.5-coder-1.5b-instruct.gguf", M + "qwen2.5-coder-0.5b-instruct.gguf"
+QWEN = DEPLOYMENTS["qwen-coder"]
+TARGET, DRAFT = (str(cache_dir() / "models" / m.filename) for m in (QWEN.target, QWEN.drafter))
 NEW = 128
 
 
@@ -28,8 +30,11 @@ def llama(binary: str, args: list[str], prompt: str) -> tuple[str, str]:
     """(generated text, stderr) of one greedy llama.cpp run; the generated text is what follows the echoed
     prompt on stdout."""
     flag = [] if binary == "llama-simple" else ["-p"]  # llama-simple takes the prompt as its last argument
-    proc = subprocess.run([os.path.join(os.environ.get("LLAMA_BIN", ""), binary), *args, *flag, prompt],
-                          capture_output=True, text=True, timeout=1800)
+    path = os.path.join(os.environ.get("LLAMA_BIN", ""), binary)
+    try:
+        proc = subprocess.run([path, *args, *flag, prompt], capture_output=True, text=True, timeout=1800)
+    except FileNotFoundError:
+        sys.exit(f"peer_llama_spec: no {path}; set LLAMA_BIN to llama.cpp's build/bin")
     if proc.returncode != 0:
         sys.exit(f"peer_llama_spec: {binary} failed: {proc.stderr.strip().splitlines()[-1:]}")
     out = proc.stdout
@@ -39,11 +44,12 @@ def llama(binary: str, args: list[str], prompt: str) -> tuple[str, str]:
     return out[at + len(prompt):].rstrip("\n"), proc.stderr
 
 
-def same_tokens(tok, reference: list[int], text: str) -> int | None:
-    """None when llama.cpp's text equals the reference's; otherwise how many of the reference's tokens it
+def same_tokens(tok, reference: list[int], text: str, capped: bool) -> int | None:
+    """None when llama.cpp's text equals the reference's (or, for a reference cut at the token cap, starts
+    with it: llama.cpp may stop a few tokens later); otherwise how many of the reference's tokens it
     reproduces before the first differing character."""
     ref = tok.decode(reference, skip_special_tokens=True)
-    if ref == text:
+    if text == ref or (capped and text.startswith(ref)):
         return None
     n = next((i for i, (a, b) in enumerate(zip(ref, text)) if a != b), min(len(ref), len(text)))
     return max(i for i in range(len(reference) + 1) if len(tok.decode(reference[:i], skip_special_tokens=True)) <= n)
@@ -52,6 +58,8 @@ def same_tokens(tok, reference: list[int], text: str) -> int | None:
 def main() -> None:
     prompts, threads = (int(a) for a in (sys.argv[1:] + ["4", "1"])[:2])
     torch.set_num_threads(threads)
+    if not (os.path.isfile(TARGET) and os.path.isfile(DRAFT)):
+        sys.exit(f"peer_llama_spec: no {TARGET} or {DRAFT}; run `specpilot fetch qwen-coder` first")
     t, d = gguf.resolve(TARGET), gguf.resolve(DRAFT)
     tok = AutoTokenizer.from_pretrained(t)
     eng = Engine.load(t, d)
@@ -72,7 +80,7 @@ def main() -> None:
             text, err = llama(binary, args, prompt)
             speed = re.search(r"decoded\s+\d+ tokens in\s+[\d.]+ s.*?speed:\s+([\d.]+) t/s", err)
             accept = re.search(r"accept\s+=\s+([\d.]+)%", err)
-            same = same_tokens(tok, reference, text)
+            same = same_tokens(tok, reference, text, len(reference) == NEW)
             print(f"  {name}: {float(speed.group(1)) if speed and binary != 'llama-simple' else '-'} tok/s, "
                   f"accepted {accept.group(1) + '%' if accept else '-'}, "
                   f"{'identical' if same is None else f'diverges after {same} tokens'}", flush=True)
