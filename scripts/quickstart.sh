@@ -23,7 +23,8 @@ case "$mode" in
     ;;
   test)
     .venv/bin/pip install --quiet -e ".[dev,ray]"  # the Ray executor's tests start a local Ray cluster
-    exec .venv/bin/python -m pytest -q -p no:cacheprovider "$@"
+    # Two workers, one test file each (module fixtures are built once): the suite leaves a core idle otherwise.
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
     ;;
   real)
     paths=$(.venv/bin/specpilot fetch qwen-coder --json)

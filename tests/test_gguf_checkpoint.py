@@ -148,3 +148,27 @@ def test_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2_gguf):
     again = g.materialise(small)
     assert again == out and (out / "model.safetensors").read_bytes() == first
     shutil.rmtree(out)
+
+
+def test_a_build_finished_meanwhile_by_another_process_is_kept(tmp_path) -> None:
+    """Two processes materialising the same file: the second to finish keeps the first one's complete
+    directory (readers may have it memory-mapped) and drops its own copy; an incomplete one is replaced."""
+    from core.engine import gguf as g
+
+    out = tmp_path / "abcd"
+    out.mkdir()
+    (out / "model.safetensors").write_bytes(b"theirs")
+    (out / g._DONE).write_text("abcd")
+    mine = tmp_path / "abcd.mine"
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"mine")
+    (mine / g._DONE).write_text("abcd")
+    g._move_into_place(mine, out)
+    assert (out / "model.safetensors").read_bytes() == b"theirs" and not mine.exists()
+
+    (out / g._DONE).unlink()
+    mine.mkdir()
+    (mine / "model.safetensors").write_bytes(b"mine")
+    (mine / g._DONE).write_text("abcd")
+    g._move_into_place(mine, out)
+    assert (out / "model.safetensors").read_bytes() == b"mine" and not mine.exists()

@@ -216,13 +216,27 @@ def materialise(path: str | Path) -> Path:
         _write_safetensors_streaming(tmp / "model.safetensors", r, cfg)
         (tmp / SOURCE_FILE).write_text(json.dumps({"gguf": str(path.resolve()), "sha256": digest}))
         (tmp / _DONE).write_text(digest)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
+        _move_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def _move_into_place(tmp: Path, out: Path) -> None:
+    """Rename a finished build to `out`. Another process may have built the same file meanwhile (judge
+    workers, parallel tests): a complete `out` is kept and this copy dropped, an incomplete one replaced."""
+    if (out / _DONE).is_file():
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    if out.exists():
+        shutil.rmtree(out, ignore_errors=True)
+    try:
+        os.replace(tmp, out)
+    except OSError:
+        if not (out / _DONE).is_file():
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _write_safetensors_streaming(dest: Path, r, cfg: dict) -> None:
