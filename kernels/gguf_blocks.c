@@ -46,7 +46,7 @@ static void deq_q8_0(const uint8_t *b, float *out) {
     __m256 d = _mm256_set1_ps(f16(b));
     for (int g = 0; g < 4; g++) {
         __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * g)));
-        _mm256_store_ps(out + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
+        _mm256_storeu_ps(out + 8 * g, _mm256_mul_ps(_mm256_cvtepi32_ps(q), d));
     }
 }
 
@@ -57,8 +57,8 @@ static void deq_q4_1(const uint8_t *b, float *out) {
     for (int g = 0; g < 2; g++) {
         __m256i v = load8_u8(b + 4 + 8 * g);
         __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-        _mm256_store_ps(out + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, lo), m));
-        _mm256_store_ps(out + 16 + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, hi), m));
+        _mm256_storeu_ps(out + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, lo), m));
+        _mm256_storeu_ps(out + 16 + 8 * g, _mm256_add_ps(_mm256_mul_ps(d, hi), m));
     }
 }
 
@@ -76,7 +76,7 @@ static void deq_q5_0(const uint8_t *b, float *out) {
         /* bit 8g + i of qh moved to bit 4 of lane i */
         __m256i hb = _mm256_srlv_epi32(_mm256_sllv_epi32(_mm256_srli_epi32(h, 8 * g), shl), shr);
         __m256i q = _mm256_or_si256(lo, _mm256_and_si256(hb, bit4));
-        _mm256_store_ps(out + 8 * g, _mm256_mul_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(q), c16)));
+        _mm256_storeu_ps(out + 8 * g, _mm256_mul_ps(d, _mm256_sub_ps(_mm256_cvtepi32_ps(q), c16)));
     }
 }
 
@@ -100,8 +100,8 @@ static void deq_q4_k(const uint8_t *b, float *out) {
         for (int g = 0; g < 4; g++) {
             __m256i v = load8_u8(qs + 32 * c + 8 * g);
             __m256 lo = _mm256_cvtepi32_ps(_mm256_and_si256(v, mask)), hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4));
-            _mm256_store_ps(out + 64 * c + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d0, lo), m0));
-            _mm256_store_ps(out + 64 * c + 32 + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d1, hi), m1));
+            _mm256_storeu_ps(out + 64 * c + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d0, lo), m0));
+            _mm256_storeu_ps(out + 64 * c + 32 + 8 * g, _mm256_sub_ps(_mm256_mul_ps(d1, hi), m1));
         }
     }
 }
@@ -128,7 +128,7 @@ static void deq_q6_k(const uint8_t *b, float *out) {
             };
             for (int s = 0; s < 4; s++) {
                 __m256 v = _mm256_sub_ps(_mm256_cvtepi32_ps(q[s]), c32);
-                _mm256_store_ps(out + e + 32 * s, _mm256_mul_ps(_mm256_broadcast_ss(ds + (e + 32 * s) / 16), v));
+                _mm256_storeu_ps(out + e + 32 * s, _mm256_mul_ps(_mm256_broadcast_ss(ds + (e + 32 * s) / 16), v));
             }
         }
 }
@@ -141,7 +141,7 @@ static void deq_chunk(int qtype, const uint8_t *row, long k0, long len, float *o
         return;
     case T_F16:
         for (long i = 0; i < len; i += 8)
-            _mm256_store_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (k0 + i)))));
+            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (k0 + i)))));
         return;
     case T_Q4_1:
         for (long i = 0; i < len; i += 32) deq_q4_1(row + (k0 + i) / 32 * 20, out + i);
@@ -166,15 +166,16 @@ int gguf_supported(int qtype) {
            qtype == T_Q4_K || qtype == T_Q6_K;
 }
 
-/* Dequantise rows ids[0..count) (all K values) into out [count, k]. */
-void gguf_dequant_rows(const uint8_t *w, long row_bytes, int qtype, long k, const long *ids, long count, float *out) {
-    float buf[KC] __attribute__((aligned(32)));
+/* Dequantise rows ids[0..count) (all K values) into out [count, k], straight into place, rows shared among
+ * `threads` of the process's OpenMP team (a prompt's slabs: this runs once per weight per prompt). */
+void gguf_dequant_rows(const uint8_t *w, long row_bytes, int qtype, long k, const long *ids, long count, float *out,
+                       int threads) {
+    if (threads > count) threads = (int)count;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long i = 0; i < count; i++)
-        for (long k0 = 0; k0 < k; k0 += KC) {
-            long len = k - k0 < KC ? k - k0 : KC;
-            deq_chunk(qtype, w + ids[i] * row_bytes, k0, len, buf);
-            memcpy(out + i * k + k0, buf, 4 * len);
-        }
+        for (long k0 = 0; k0 < k; k0 += KC) deq_chunk(qtype, w + ids[i] * row_bytes, k0, k - k0 < KC ? k - k0 : KC,
+                                                      out + i * k + k0);
 }
 
 /* G (1-3) x rows against the 4 scratch rows over len values: acc[(g*4 + r)*8 ..] += lane-wise x.w. */

@@ -339,3 +339,36 @@ def test_prompt_wide_products_go_through_exact_slabs(q: str) -> None:
     assert close(wide, x, w)
     narrow = m(x[: gb.WIDE_ROWS - 1])
     assert torch.equal(narrow[3:4], m(x[3:4]))
+
+
+def test_wide_products_share_one_slab_across_matrices_and_threads() -> None:
+    """The prompt path's slab buffer is reused: a matrix with a wider slab after a narrower one (the buffer
+    grows), and the narrower one again, each still gives its own exact product; dequantising on two threads
+    gives the same bits as on one."""
+    gb = blocks_kernel()
+    rng = np.random.default_rng(21)
+    small = gb.GGUFMatrix(random_blocks("Q4_K", 70, 256, rng), "Q4_K", 70, 256)
+    big = gb.GGUFMatrix(random_blocks("Q6_K", 90, 768, rng), "Q6_K", 90, 768)
+    xs, xb = torch.randn(gb.WIDE_ROWS, 256), torch.randn(gb.WIDE_ROWS + 5, 768)
+    for m, x in ((small, xs), (big, xb), (small, xs)):
+        assert close(m(x), x, m.dequantize())
+    ids = torch.arange(90).flip(0)
+    one = gb.GGUFMatrix(big.raw, "Q6_K", 90, 768, threads=1).rows(ids)
+    two = gb.GGUFMatrix(big.raw, "Q6_K", 90, 768, threads=2).rows(ids)
+    assert torch.equal(bits(one), bits(two))
+    assert torch.equal(bits(one[0]), bits(big.rows([89])[0]))
+
+
+def test_prompt_gemm_stays_float32_when_the_process_allows_lower_precision() -> None:
+    """oneDNN takes a prompt's slabs only while float32 matmuls are computed in float32; a process that allows
+    bfloat16/TF32 for them gets torch's default GEMM for the slabs instead."""
+    gb = blocks_kernel()
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert gb.exact_gemm() is (gb._onednn_gemm if torch.backends.mkldnn.is_available()
+                                   else torch.nn.functional.linear)
+        torch.set_float32_matmul_precision("medium")
+        assert gb.exact_gemm() is torch.nn.functional.linear
+    finally:
+        torch.set_float32_matmul_precision(before)

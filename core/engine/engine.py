@@ -99,7 +99,7 @@ class Engine:
         """Private memory the recipe's weight format and linear backend would add (copies not yet built):
         packed12 keeps ~1.6 bytes per weight; onednn 4 (float32); skinny and fused 8 (skinny's panels plus
         oneDNN's copy for wide steps); a q8/q4 drafter format 1.125/0.5625 of the drafter's (plus 2 for its
-        bfloat16 prompt copy on an AMX CPU). gguf and native read memory-mapped weights: nothing."""
+        bfloat16 prompt copy where the CPU has bfloat16 units). gguf and native read memory-mapped weights: nothing."""
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         target = sum(m.numel() for m in self.target.matrices())
         drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
