@@ -13,10 +13,11 @@ torch.set_num_threads(1)
 from core import workload
 from core.engine import gguf
 from core.engine.engine import Engine
+from core.fetch import fetch
 from core.recipe import builtin
 from transformers import AutoTokenizer
-M = "/root/.cache/specpilot/models/"
-t, d = gguf.resolve(M + "qwen2.5-coder-1.5b-instruct.gguf"), gguf.resolve(M + "qwen2.5-coder-0.5b-instruct.gguf")
+paths = fetch("qwen-coder")  # the cached files (a second fetch returns at once), wherever the cache root is
+t, d = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
 tok = AutoTokenizer.from_pretrained(t)
 reqs = workload.split(workload.load("workloads/coding_chat.jsonl"), "all")
 ids = workload.encode(tok, reqs[0])
@@ -26,7 +27,7 @@ eng.generate([ids], 4, sg); eng.generate([ids], 4, sg, speculative=False); eng.g
 bench = os.environ.get("LLAMA_BENCH", "llama-bench")
 res = {"llama.cpp AR": [], "ours AR (gguf)": [], "ours stock-gguf": [], "ours stock-gguf-q4": []}
 for r in range(3):
-    out = subprocess.run([bench, "-m", M + "qwen2.5-coder-1.5b-instruct.gguf", "-t", "1", "-p", "0", "-n", "64", "-r", "1", "-o", "csv"], capture_output=True, text=True).stdout
+    out = subprocess.run([bench, "-m", paths["target"], "-t", "1", "-p", "0", "-n", "64", "-r", "1", "-o", "csv"], capture_output=True, text=True).stdout
     tps = float(out.strip().splitlines()[-1].split(",")[-2].strip('"'))
     res["llama.cpp AR"].append(tps)
     for name, recipe, spec in (("ours AR (gguf)", sg, False), ("ours stock-gguf", sg, True),
