@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -72,7 +73,7 @@ def available() -> bool:
     return loads(library)
 
 
-def exact_gemm():
+def exact_gemm() -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
     """float32 x @ w.T for a prompt's slab: oneDNN's GEMM where torch has it and computes float32 matmuls in
     float32 (its default; a process that allows bfloat16 or TF32 for them gets torch's default BLAS instead),
     else torch's. On the Zen 4 oneDNN ran a prompt's shapes at 48-50 G FMA/s against MKL's 29-43 (the core's
