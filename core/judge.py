@@ -29,7 +29,7 @@ from core.executors import Device, Executor
 from core.executors.local import LocalExecutor, device_lock, timing_cpus
 from core.mechanisms import UnknownMechanism, check_recipe
 from core.recipe import Recipe, RecipeError
-from core.stats import Comparison, compare, noise_floor, speedups
+from core.stats import Comparison, Noise, compare, noise, speedups
 from core.workers import (KEEP, SECRET_ENV, START_LIMIT_S, Bound, JudgeRequest, Worker, WorkerBase, WorkerError,
                           WorkerTimeout, kill_workers)
 
@@ -101,7 +101,7 @@ class Judge:
 
     def __init__(self, deployment: Deployment, tuning: list[JudgeRequest], heldout: list[JudgeRequest],
                  force: Forcer, limit_s: float = 120.0, seed: int = 0, start_limit_s: float | None = None,
-                 executor: Executor | None = None) -> None:
+                 executor: Executor | None = None, aa_samples: int = 12) -> None:
         self.deployment = deployment
         self.tuning = tuning
         self.heldout = heldout
@@ -109,6 +109,8 @@ class Judge:
         self.limit_s = limit_s
         self.start_limit_s = start_limit_s
         self.seed = seed
+        self.aa_samples = aa_samples
+        self.noise = Noise(0.0, 0.0, 0)
         self.floor = 0.0
         self.stock_rate: float | None = None
         self.executor = executor if executor is not None else LocalExecutor(deployment)
@@ -185,32 +187,49 @@ class Judge:
         return (self.stock_rate or 0.0) + 0.005
 
     def calibrate(self, incumbent: Recipe, stock: Recipe, versus_ar: list[JudgeRequest] | None = None) -> dict:
-        """A/A noise floor (the incumbent on the baseline worker against the incumbent on a fresh worker, as
-        candidates are measured) and stock's own forcing rate on the tuning set; with `versus_ar`, also the
-        incumbent's speedup over our autoregressive decoding on those requests."""
+        """A/A noise (the incumbent on the baseline worker against the incumbent on a fresh worker, as
+        candidates are measured, over the tuning requests repeated until there are `aa_samples` pairs) and
+        stock's own forcing rate on the tuning set; with `versus_ar`, also the incumbent's speedup over our
+        autoregressive decoding on those requests."""
         same = incumbent.to_toml() == stock.to_toml()
         with self._slot() as slot:
             (fresh,) = self._start(slot, [(incumbent, None)], baseline=True)
             try:
-                with progress.step("A/A noise floor"):
-                    _, samples = self._ab(self._bound(slot, incumbent), fresh, self.tuning)
-                ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
-                self.floor = noise_floor(ratios, self.seed)
+                samples = self._aa(slot, incumbent, fresh)
                 stock_side = fresh if same else self._bound(slot, stock)
                 stock_outputs = _each("stock outputs for forcing", self.tuning, stock_side.timed)
                 vs_ar = None
                 if versus_ar:
                     with progress.step("stock vs AR"):
                         _, ar_samples = self._ab(self._bound(slot, None), fresh, versus_ar)
-                    vs_ar = compare(speedups([s["incumbent_tps"] for s in ar_samples],
-                                             [s["candidate_tps"] for s in ar_samples]), self.floor, self.seed)
+                    vs_ar = self._compare(_ratios(ar_samples))
             finally:
                 fresh.close()
         with self._forcing:
             stock_forcing = self.force([r for r, _ in stock_outputs], [t for _, t in stock_outputs], stock)
         self.stock_rate = stock_forcing["rate"]
-        return {"noise_floor": self.floor, "aa_samples": samples, "stock_forcing": stock_forcing,
+        return {"noise_floor": self.floor, "aa_bias": self.noise.bias, "aa_spread": self.noise.spread,
+                "aa_samples": samples, "stock_forcing": stock_forcing,
                 "incumbent_vs_ar": vs_ar}
+
+    def calibrate_noise(self, incumbent: Recipe) -> list[dict]:
+        """Only the A/A half of `calibrate`: the floor and spread for `incumbent`, and the paired samples."""
+        with self._slot() as slot:
+            (fresh,) = self._start(slot, [(incumbent, None)], baseline=True)
+            try:
+                return self._aa(slot, incumbent, fresh)
+            finally:
+                fresh.close()
+
+    def _aa(self, slot: Slot, incumbent: Recipe, fresh: WorkerBase) -> list[dict]:
+        """The incumbent on the baseline worker against `fresh`, over the tuning requests repeated until
+        there are `aa_samples` pairs; sets the run's noise and floor."""
+        repeats = max(1, -(-self.aa_samples // max(1, len(self.tuning))))
+        with progress.step("A/A noise floor"):
+            _, samples = self._ab(self._bound(slot, incumbent), fresh, self.tuning * repeats)
+        self.noise = noise(_ratios(samples))
+        self.floor = self.noise.floor
+        return samples
 
     def _rotate(self, workers: list[WorkerBase | Bound], requests: list[JudgeRequest],
                 warm: JudgeRequest | None = None) -> tuple[list[list[dict]], list[list[Pair]]]:
@@ -362,8 +381,7 @@ class Judge:
         if not check["passed"]:
             why = check.get("error") or f"mismatch rate {check['rate']:.4f} vs threshold {check['threshold']:.4f}"
             return t.gate(split, False, f"the outputs timed on {split} requests fail token forcing ({why})")
-        ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
-        result = compare(ratios, self.floor, self.seed)
+        result = self._compare(_ratios(samples))
         setattr(t.verdict, split, result)
         if t.on_evaluation:
             t.on_evaluation(split, result)
@@ -391,8 +409,7 @@ class Judge:
                 _, samples = self._ab(self._bound(slot, baseline), fresh, requests)
             finally:
                 fresh.close()
-        ratios = speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
-        return compare(ratios, self.floor, self.seed)
+        return self._compare(_ratios(samples))
 
     def standing(self, recipe: Recipe, stock: Recipe, requests: list[JudgeRequest],
                  workspace: str | Path | None = None) -> tuple[Comparison, Comparison]:
@@ -410,8 +427,16 @@ class Judge:
                 for w in fresh:
                     w.close()
         rates = [[s["tps"] for s in side] for side in (ar, base, new)]
-        return (compare(speedups(rates[0], rates[2]), self.floor, self.seed),
-                compare(speedups(rates[1], rates[2]), self.floor, self.seed))
+        return self._compare(speedups(rates[0], rates[2])), self._compare(speedups(rates[1], rates[2]))
+
+    def _compare(self, ratios: list[float]) -> Comparison:
+        """A comparison against this run's noise: its floor, and its spread where a sample is too small."""
+        return compare(ratios, self.floor, self.seed, self.noise.spread)
+
+
+def _ratios(samples: list[dict]) -> list[float]:
+    """Per-request speedups of the candidate side over the incumbent side of paired samples."""
+    return speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
 
 
 def diff_applies(diff: str, recipe: Recipe, incumbent: Recipe, workspace: str | Path | None,

@@ -139,8 +139,9 @@ class Loop(Control):
                                    executor=self.executor)
         with progress.step("calibration"):
             calibration = judge.calibrate(stock, stock, versus_ar=ctx.heldout)
-        self.log(Notice(f"noise floor {calibration['noise_floor']:.3f} (A/A on "
-                        f"{len(ctx.tuning)} tuning requests); stock forcing rate "
+        self.log(Notice(f"noise floor {calibration['noise_floor']:.3f} (A/A, {len(calibration['aa_samples'])} "
+                        f"paired timings of {len(ctx.tuning)} tuning requests: bias {calibration['aa_bias']:+.3f}, "
+                        f"spread {calibration['aa_spread']:.3f}); stock forcing rate "
                         f"{calibration['stock_forcing']['rate']:.4f}"))
         stock_vs_ar = calibration["incumbent_vs_ar"]
         incumbent, inc_ws = stock, None
