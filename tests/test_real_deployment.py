@@ -263,3 +263,32 @@ def test_gguf_format_reads_the_blocks_and_refuses_other_checkpoints(smol, tmp_pa
 
     with pytest.raises(RecipeError, match="runs its own block kernel"):
         Recipe.from_dict({"weights": {"format": "gguf"}, "runtime": {"linear": "fused"}})
+
+
+def test_smollm2_greedy_identity_with_the_bf16x3_arithmetic(smol, monkeypatch):
+    """Every block product of the gguf format computed by the exact bf16x3 arithmetic a matrix-unit path
+    runs (kernels/bf16x3.py, the plain-PyTorch oracle: three bf16 pieces of each activation, float32 sums,
+    the sub-block scales after): transformers' float32 greedy output still, decoding and verifying."""
+    from kernels import bf16x3, gguf_blocks
+
+    calls = []
+
+    def oracle(self, x, threads=None):
+        calls.append(x.reshape(-1, self.k).shape[0])
+        if "_oracle" not in self.__dict__:
+            self._oracle = bf16x3.Bf16x3Matrix(self.raw, self.qtype, self.n, self.k)
+        return self._oracle(x).view(*x.shape[:-1], self.n)
+
+    monkeypatch.setattr(gguf_blocks.GGUFMatrix, "__call__", oracle)
+    engine, prompts, greedy = smol
+    eos = engine.target.cfg.eos_token_ids[0]
+    chain = Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 15},
+                              "tree": {"policy": "chain", "depth": 4}, "weights": {"format": "gguf"}})
+    p, ref = prompts[0], greedy[0]
+    ar = engine.generate([p], NEW_TOKENS, GGUF_AR, speculative=False)
+    spec = engine.generate([p], NEW_TOKENS, chain)
+    assert _until_eos(ar.tokens[0], eos) == _until_eos(ref, eos)
+    assert _until_eos(spec.tokens[0], eos) == _until_eos(ref, eos)
+    assert any(a > 0 for s in spec.steps for a in s.accepted)
+    assert {1, 5} <= set(calls)  # decode and a 5-row verify went through it
+    assert max(calls) >= len(p) - 1  # and the prompt (all but its last token, which the first step decodes)
