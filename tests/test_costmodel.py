@@ -160,6 +160,7 @@ def test_prediction_ranks_a_deeper_self_drafted_chain_higher(tiny_pair):
     # is for; fixed costs, since timings on a shared CPU are noisy), a deeper chain must be predicted faster.
     cheap = Profile.from_dict(json.loads(json.dumps(prof.to_dict())))
     cheap.verify_curve = {n: 1.0 + 0.01 * n for n in cheap.verify_curve}
+    cheap.backend_curves = {key: dict(cheap.verify_curve) for key in cheap.backend_curves}  # what predict reads
     cheap.drafters["model"].update(curve={w: 0.1 for w in cheap.drafters["model"]["curve"]}, fixed_ms=0.0,
                                    level_ms=0.0, prefill_ms=0.0)
     cheap.phases.update(draft_ms=0.1, verify_ms=1.02)
