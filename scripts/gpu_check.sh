@@ -2,7 +2,7 @@
 # packed12 GPU check: the fused Triton dequantise-matmul against torch's bf16 matmul on Llama-8B-shaped
 # matrices (rows 1, 8, 32, 64): correctness vs the reference, a small autotune, CUDA-event timings and a
 # table printed last. Without a CUDA device it says so and exits 0. Runs from anywhere; uses the repo's
-# .venv python when that one sees a GPU, else python3. Extra arguments go to kernels/bench_gpu.py.
+# .venv python when that one sees a GPU, else python3. Extra arguments go to kernels/bench/gpu.py.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -27,4 +27,4 @@ if [ -z "$PY" ]; then
 fi
 
 export PYTHONUNBUFFERED=1
-exec timeout 290 "$PY" -m kernels.bench_gpu "$@"
+exec timeout 290 "$PY" -m kernels.bench.gpu "$@"

@@ -1,4 +1,4 @@
-"""The exact bf16x3 arithmetic for GGUF blocks (kernels/bf16x3.py): the split, refused rows, and the product's
+"""The exact bf16x3 arithmetic for GGUF blocks (kernels/reference/bf16x3.py): the split, refused rows, and the product's
 error against float64 within float32's own bound, per block type; on every CPU (it is the oracle a matrix-unit
 path is tested against). The model-level check, greedy identity on SmolLM2, is in test_real_deployment.py."""
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import bf16x3, gguf_ref
-from kernels.gguf_ref import FORMATS, random_blocks
+from kernels.reference import bf16x3, gguf_ref
+from kernels.reference.gguf_ref import FORMATS, random_blocks
 
 QUANTS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 U = 2.0 ** -24  # float32's unit roundoff

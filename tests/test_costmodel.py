@@ -19,7 +19,7 @@ from core.engine import Engine, tree_spec
 from core.engine.decode import Verification
 from core.engine.tree import chain_paths, static_prefixes
 from core.recipe import Recipe, builtin
-from kernels import skinny
+from kernels.cpu import skinny
 
 LIMITS = [26, 17, 22, 30]
 FAKE_PROBE = {"bandwidth_gb_s": 20.0, "matmul_tflops": 0.1}

@@ -10,7 +10,7 @@ import torch
 
 import mini_deployment
 from core.deployment import DEMO_DRAFTER, DEMO_TARGET
-from kernels import skinny
+from kernels.cpu import skinny
 
 
 @pytest.mark.parametrize("model_dir", [DEMO_TARGET, DEMO_DRAFTER], ids=["target", "drafter"])

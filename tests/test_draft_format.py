@@ -11,7 +11,7 @@ import tiny_models
 from core.engine import Engine, draft_format
 from core.recipe import Recipe, RecipeError
 
-q8_draft = pytest.importorskip("kernels.q8_draft")
+q8_draft = pytest.importorskip("kernels.cpu.q8_draft")
 if not q8_draft.available():
     pytest.skip("the q8_draft kernel does not build here (no AVX2/FMA or no C compiler)", allow_module_level=True)
 

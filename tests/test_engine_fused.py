@@ -1,4 +1,4 @@
-"""runtime.linear = "fused": each layer in one C call (kernels/layer.c) around the skinny products. Its logits
+"""runtime.linear = "fused": each layer in one C call (kernels/cpu/layer.c) around the skinny products. Its logits
 match the torch path of the same model on batched tree steps (per-row bases, offsets, masks, GQA, Qwen's
 q/k norms and biases), its cache writes are the torch path's, wide steps fall back, the dispatch probe skips
 its products, batched serving (the model drafter on the fused layer too) equals single-request AR, and a bf16
@@ -13,7 +13,7 @@ from core.engine.config import ModelLoadError
 from core.engine.fused import FusedTransformer
 from core.engine.linear import linear_transformer
 from core.recipe import Recipe
-from kernels import skinny
+from kernels.cpu import skinny
 
 pytestmark = pytest.mark.skipif(not skinny.available(), reason="no AVX2+FMA or no C compiler")
 FUSED = {"runtime": {"linear": "fused"}}

@@ -10,7 +10,7 @@ from core import forcing
 from core.engine import Engine
 from core.engine.config import ModelLoadError
 from core.recipe import Recipe, RecipeError
-from kernels import skinny
+from kernels.cpu import skinny
 
 ONEDNN = {"runtime": {"linear": "onednn"}}
 BACKENDS = [

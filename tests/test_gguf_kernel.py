@@ -3,6 +3,7 @@ products within float32 rounding, threads and batch invariance, memmaps not copi
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels import gguf_ref
-from kernels.gguf_ref import FORMATS, UnsupportedBlockType, random_blocks
+from kernels.reference import gguf_ref
+from kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, random_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 QUANTS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
@@ -38,7 +39,7 @@ def bits(t: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 
 def blocks_kernel():
-    from kernels import gguf_blocks
+    from kernels.cpu import gguf_blocks
 
     if not gguf_blocks.available():
         pytest.skip("the AVX2 GGUF kernel cannot build or run here")
@@ -212,7 +213,7 @@ def test_unsupported_type_is_a_one_line_value_error() -> None:
 def test_bench_cli_on_a_tiny_gguf_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocks_kernel()
     gguf = pytest.importorskip("gguf")
-    from kernels.gguf_blocks import main
+    from kernels.bench.gguf_cpu import main
 
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -226,15 +227,46 @@ def test_bench_cli_on_a_tiny_gguf_file(tmp_path: Path, capsys: pytest.CaptureFix
     w.close()
     assert main(["--bench", str(path), "--rows", "1,3", "--repeats", "1", "--threads", "1"]) == 0
     out = capsys.readouterr().out
-    assert "2 linears" in out and "GB/s" in out
+    assert "2 linears" in out and "GB/s" in out and "streaming the blocks once takes" in out
     assert main(["--bench", str(tmp_path / "missing.gguf")]) == 2
+    capsys.readouterr()
+
+    # the command the records cite, as a script would run it
+    done = subprocess.run([sys.executable, "-m", "kernels.gguf_blocks", "--bench", str(path), "--rows", "1,5",
+                           "--repeats", "1", "--threads", "1", "--no-fp32", "--parts", "--json"],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["isa"] in ("avx2", "avx512") and report["threads"] == 1 and report["linears"] == 2
+    assert set(report["rows"]) == {"1", "5"} and all(ms > 0 for ms in report["rows"].values())
+    assert report["floor_ms"] == pytest.approx(report["blocks_gb"] / report["copy_gb_s"] * 1e3)
+    if report["isa"] == "avx512":  # the parts run on the AVX-512 path only
+        assert {"read", "dequant", "fma"} <= set(report["detail"]["5"])
+
+
+def test_the_c_traits_table_is_the_reference_table_and_gguf_py_s() -> None:
+    """Block geometry is written once in gguf_blocks.c (BLOCK_FORMATS); it must agree with the Python
+    reference's FORMATS and with gguf-py, and a type it lacks is refused, not read with another's sizes."""
+    gb = blocks_kernel()
+    constants = pytest.importorskip("gguf.constants")
+    for qtype, (name, block, size) in FORMATS.items():
+        c_name, c_block, c_size = gb.block_traits(qtype)
+        assert c_name == name
+        # F32 and F16 are read 8 values at a time; their bytes per value are what matters
+        assert c_size / c_block == size / block
+        if block > 1:
+            assert (c_block, c_size) == (block, size)
+        ref_block, ref_size = constants.GGML_QUANT_SIZES[constants.GGMLQuantizationType(qtype)]
+        assert c_size / c_block == ref_size / ref_block
+    assert gb.block_traits(2) is None  # Q4_0: not one of the kernel's formats
+    assert gb.block_traits(99) is None and gb.block_traits(-1) is None
 
 
 INTERPRETER_CHECK = r"""
 import json, numpy as np, torch
-from kernels import gguf_ref
-from kernels.gguf_ref import random_blocks
-from kernels.gguf_triton import INTERPRETING, GGUFTritonMatrix, matmul
+from kernels.reference import gguf_ref
+from kernels.reference.gguf_ref import random_blocks
+from kernels.gpu.gguf_triton import INTERPRETING, GGUFTritonMatrix, matmul
 assert INTERPRETING, "TRITON_INTERPRET=1 did not reach triton"
 results = []
 cases = [("F32", 9, 40, None), ("F16", 9, 40, None), ("Q4_1", 20, 96, None), ("Q5_0", 17, 96, 64),
@@ -284,7 +316,7 @@ def test_triton_kernel_under_interpreter() -> None:
 def test_gpu_bench_smoke_under_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench_gguf_gpu", "--smoke"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "kernels.bench.gguf_gpu", "--smoke"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness: all checks passed" in proc.stdout
@@ -293,7 +325,7 @@ def test_gpu_bench_smoke_under_interpreter() -> None:
 
 AOT_CHECK = r"""
 import re
-from kernels.gguf_triton import compile_ahead
+from kernels.gpu.gguf_triton import compile_ahead
 for q in ("F32", "F16", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
     ptx = compile_ahead(q)["ptx"]
     assert ".target sm_90" in ptx, q

@@ -267,9 +267,10 @@ def test_gguf_format_reads_the_blocks_and_refuses_other_checkpoints(smol, tmp_pa
 
 def test_smollm2_greedy_identity_with_the_bf16x3_arithmetic(smol, monkeypatch):
     """Every block product of the gguf format computed by the exact bf16x3 arithmetic a matrix-unit path
-    runs (kernels/bf16x3.py, the plain-PyTorch oracle: three bf16 pieces of each activation, float32 sums,
+    runs (kernels/reference/bf16x3.py, the plain-PyTorch oracle: three bf16 pieces of each activation, float32 sums,
     the sub-block scales after): transformers' float32 greedy output still, decoding and verifying."""
-    from kernels import bf16x3, gguf_blocks
+    from kernels.cpu import gguf_blocks
+    from kernels.reference import bf16x3
 
     calls = []
 

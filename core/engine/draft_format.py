@@ -3,7 +3,7 @@
 Why: on the real pair drafting costs more than verifying (four 0.5B forwards a step against one 1.5B
 forward on the GGUF blocks), and a drafter only proposes: the target's verification decides every output
 token, so the drafter's arithmetic need not be exact. Its weights requantised to Q8_0 or Q4_0 with 8-bit
-activations (kernels/q8_draft.c) cut a drafting forward; the output stays the target's, which token forcing
+activations (kernels/cpu/q8_draft.c) cut a drafting forward; the output stays the target's, which token forcing
 checks like any other recipe's. A prompt's prefill (more than q8_draft.MAX_ROWS rows) runs in bfloat16 where
 the CPU has bfloat16 matmul units (AMX or AVX-512 BF16), else on the drafter's exact projections, both
 cheaper per row there. CPU only.
@@ -70,7 +70,7 @@ def quantised_drafter(model: Transformer, bits: int) -> Transformer:
     weights (quantised once here, from the float weights the model was loaded with); a prompt's products run
     in bfloat16 where the CPU has bfloat16 units, and a vocabulary over 2 * HEAD_VOCAB is drafted from its first
     HEAD_VOCAB ids (plus end of sequence)."""
-    from kernels.q8_draft import Q8Matrix, available, quantize
+    from kernels.cpu.q8_draft import Q8Matrix, available, quantize
 
     fmt = f"q{bits}"
     if model.device.type != "cpu":

@@ -1,4 +1,4 @@
-"""runtime.linear = "fused": each decoder layer of a float32 target in one C call (kernels/layer.c).
+"""runtime.linear = "fused": each decoder layer of a float32 target in one C call (kernels/cpu/layer.c).
 
 Why: with the skinny kernel, a verify forward of the demo target spent about as long outside its weight
 products (dispatch of ~25 small torch ops per layer: norms, RoPE, cache scatter, masked SDPA, SiLU,

@@ -1,7 +1,7 @@
 """`[weights] format = "gguf"`: the projections and LM head multiply by the GGUF file's own quantised blocks.
 
 Why: decoding reads every weight once per step, and a 1.5B model's float32 weights are 7.1 GB against
-1.07 GB of Q4_K/Q6_K blocks. The kernel (kernels/gguf_blocks.c) dequantises each block in registers to the
+1.07 GB of Q4_K/Q6_K blocks. The kernel (kernels/cpu/gguf_blocks.c) dequantises each block in registers to the
 exact float32 values the reference uses (bit for bit, `gguf.quants.dequantize`) and reuses it for every row
 of a verify step, so verifying several draft tokens costs little more than one; only the summation order
 differs from torch's, so greedy output can move only at floating-point near-ties (the forcing gate's tie
@@ -33,7 +33,7 @@ def source_file(checkpoint: str | None) -> str:
 
 def gguf_transformer(model: Transformer, path: str) -> Transformer:
     """A copy of `model` (loaded from the same GGUF file) whose projections read the file's blocks."""
-    from kernels.gguf_blocks import GGUFMatrix
+    from kernels.cpu.gguf_blocks import GGUFMatrix
 
     if model.dtype != torch.float32:
         raise ModelLoadError("weights.format = 'gguf' computes in float32, the dtype its weights are exact in; "

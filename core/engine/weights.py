@@ -1,5 +1,5 @@
 """Weight formats as an engine mechanism: `[weights] format = "packed12"` swaps every linear projection for
-the lossless 12-bit packed form (kernels/packed12.py). Lossless means bit-exact weights, so the conversion
+the lossless 12-bit packed form (kernels/gpu/packed12.py). Lossless means bit-exact weights, so the conversion
 refuses weights that bfloat16 cannot hold exactly."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ class WeightFormatError(ValueError):
 
 
 def _packed(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    from kernels.packed12 import PackedLinear
+    from kernels.gpu.packed12 import PackedLinear
 
     bf16 = weight.to(torch.bfloat16)
     if not torch.equal(bf16.to(weight.dtype), weight):

@@ -1,6 +1,6 @@
 """GGUF block-format matmul in Triton (CUDA): y = x @ W^T for 1..64 float32 rows, W read as stored.
 
-The twin of kernels/gguf_blocks.c with the same semantics: each weight is dequantised with gguf-py's float32
+The twin of kernels/cpu/gguf_blocks.c with the same semantics: each weight is dequantised with gguf-py's float32
 operations in order (launched with enable_fp_fusion=False so that d * q - m stays two roundings) and the
 products are accumulated in float32 (tl.dot with input_precision="ieee" by default; "tf32x3" trades the last
 bits for tensor-core speed). Each program owns BLOCK_N weight rows and walks K in BLOCK_K steps; every value
@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gguf_ref import FORMATS, as_raw, qtype_id
+from kernels.reference.gguf_ref import FORMATS, as_raw, qtype_id
 
 MAX_ROWS = 64
 
@@ -156,7 +156,7 @@ def matmul(x: torch.Tensor, raw: torch.Tensor, qtype: int | str, n: int, k: int,
         raise ValueError(f"the GGUF Triton kernel takes [1..{MAX_ROWS}, {k}] rows; got {tuple(x.shape)}")
     if not (x.is_cuda or INTERPRETING):
         raise RuntimeError("the GGUF Triton kernel needs CUDA tensors (or TRITON_INTERPRET=1 set before triton "
-                           "is imported); use kernels.gguf_blocks or kernels.gguf_ref on the CPU")
+                           "is imported); use kernels.cpu.gguf_blocks or kernels.reference.gguf_ref on the CPU")
     w, stride = weights_view(raw, t, n, k)
     if w.device != x.device:
         raise ValueError(f"x is on {x.device} but the blocks are on {w.device}")

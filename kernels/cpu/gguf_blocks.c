@@ -31,7 +31,21 @@
 #define MAX_ROWS 64
 #define MIN_WORK_PER_THREAD (1L << 20) /* weights (x rows, up to 8) worth waking a thread for */
 
-enum { T_F32 = 0, T_F16 = 1, T_Q4_1 = 3, T_Q5_0 = 6, T_Q8_0 = 8, T_Q4_K = 12, T_Q6_K = 14 };
+/* The block formats, written once (as llama.cpp's type_traits_cpu): GGML type id, values and bytes per block,
+ * and the stem of their functions (deq_<stem> dequantises one block on the AVX2 path, b5_<stem> runs one block
+ * step on the AVX-512 path). F32 and F16 have no blocks; they are read 8 values at a time. Everything else in
+ * this file (the traits table, the tile geometry of both paths, gguf_supported, gguf_traits) derives from it. */
+#define BLOCK_FORMATS(X)        \
+    X(F32, f32, 0, 8, 32)       \
+    X(F16, f16, 1, 8, 16)       \
+    X(Q4_1, q4_1, 3, 32, 20)    \
+    X(Q5_0, q5_0, 6, 32, 22)    \
+    X(Q8_0, q8_0, 8, 32, 34)    \
+    X(Q4_K, q4_k, 12, 256, 144) \
+    X(Q6_K, q6_k, 14, 256, 210)
+#define X_ENUM(N, stem, id, block, bytes) T_##N = id, BLOCK_##N = block, BYTES_##N = bytes,
+enum { BLOCK_FORMATS(X_ENUM) T_LIMIT = 15 };
+#undef X_ENUM
 
 static inline float f16(const uint8_t *p) {
     uint16_t h;
@@ -40,6 +54,12 @@ static inline float f16(const uint8_t *p) {
 }
 
 static inline __m256i load8_u8(const uint8_t *p) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)); }
+
+static void deq_f32(const uint8_t *b, float *out) { memcpy(out, b, 32); }
+
+static void deq_f16(const uint8_t *b, float *out) {
+    _mm256_storeu_ps(out, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b)));
+}
 
 /* Q8_0 (34 bytes): f16 d, int8 q[32]; w = q * d. */
 static void deq_q8_0(const uint8_t *b, float *out) {
@@ -133,37 +153,32 @@ static void deq_q6_k(const uint8_t *b, float *out) {
         }
 }
 
-/* Values [k0, k0 + len) of one stored row into out (len a multiple of the block size, and of 8). */
+typedef struct {
+    const char *name;
+    long block, bytes;                          /* values and bytes per block */
+    void (*deq)(const uint8_t *b, float *out);  /* one block to float32, gguf-py's values bit for bit */
+} traits_t;
+
+#define X_TRAITS(N, stem, id, block, bytes) [id] = {#N, block, bytes, deq_##stem},
+static const traits_t TRAITS[T_LIMIT] = {BLOCK_FORMATS(X_TRAITS)};
+#undef X_TRAITS
+
+/* Values [k0, k0 + len) of one stored row into out (len a multiple of the block size, and of 8). A case per
+ * format, so that each one's block function is a direct call the compiler can inline. */
 static void deq_chunk(int qtype, const uint8_t *row, long k0, long len, float *out) {
-    switch (qtype) {
-    case T_F32:
-        memcpy(out, row + 4 * k0, 4 * len);
-        return;
-    case T_F16:
-        for (long i = 0; i < len; i += 8)
-            _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (k0 + i)))));
-        return;
-    case T_Q4_1:
-        for (long i = 0; i < len; i += 32) deq_q4_1(row + (k0 + i) / 32 * 20, out + i);
-        return;
-    case T_Q5_0:
-        for (long i = 0; i < len; i += 32) deq_q5_0(row + (k0 + i) / 32 * 22, out + i);
-        return;
-    case T_Q8_0:
-        for (long i = 0; i < len; i += 32) deq_q8_0(row + (k0 + i) / 32 * 34, out + i);
-        return;
-    case T_Q4_K:
-        for (long i = 0; i < len; i += 256) deq_q4_k(row + (k0 + i) / 256 * 144, out + i);
-        return;
-    case T_Q6_K:
-        for (long i = 0; i < len; i += 256) deq_q6_k(row + (k0 + i) / 256 * 210, out + i);
-        return;
-    }
+#define X_DEQ(N, stem, id, block, bytes) \
+    case T_##N: for (long i = 0; i < len; i += block) deq_##stem(row + (k0 + i) / block * bytes, out + i); return;
+    switch (qtype) { BLOCK_FORMATS(X_DEQ) }
+#undef X_DEQ
 }
 
-int gguf_supported(int qtype) {
-    return qtype == T_F32 || qtype == T_F16 || qtype == T_Q4_1 || qtype == T_Q5_0 || qtype == T_Q8_0 ||
-           qtype == T_Q4_K || qtype == T_Q6_K;
+int gguf_supported(int qtype) { return qtype >= 0 && qtype < T_LIMIT && TRAITS[qtype].deq; }
+
+/* The table as the kernel sees it: values and bytes per block of `qtype`, and its name; -1 if unsupported. */
+int gguf_traits(int qtype, long *block, long *bytes, const char **name) {
+    if (!gguf_supported(qtype)) return -1;
+    *block = TRAITS[qtype].block, *bytes = TRAITS[qtype].bytes, *name = TRAITS[qtype].name;
+    return 0;
 }
 
 /* Dequantise rows ids[0..count) (all K values) into out [count, k], straight into place, rows shared among
@@ -203,13 +218,13 @@ typedef struct {
     const uint8_t *w;
     float *y;
     long m, ldx, n, k, row_bytes, ldy, tile_lo, tile_hi;
-    int qtype;
+    int qtype, part; /* part: PART_ALL, or one part of the AVX-512 path's work alone (gguf_matmul_part) */
 } job_t;
 
+enum { PART_ALL = 0, PART_READ = 1, PART_DEQUANT = 2, PART_FMA = 3 };
+
 static void run_tiles(const job_t *j) {
-    long block = j->qtype == T_Q4_K || j->qtype == T_Q6_K ? 256 : j->qtype <= T_F16 ? 1 : 32;
-    long bsize = j->qtype == T_Q4_K ? 144 : j->qtype == T_Q6_K ? 210 : j->qtype == T_Q4_1 ? 20
-               : j->qtype == T_Q5_0 ? 22 : j->qtype == T_Q8_0 ? 34 : j->qtype == T_F16 ? 2 : 4;
+    long block = TRAITS[j->qtype].block, bsize = TRAITS[j->qtype].bytes;
     float scratch[TILE * KC] __attribute__((aligned(32)));
     float acc[MAX_ROWS * TILE * 8] __attribute__((aligned(32)));
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
@@ -246,6 +261,9 @@ static void run_tiles(const job_t *j) {
  * then a fixed tree: the same bits for any M, group, path or thread count, though not the AVX2 path's bits. */
 #define A512 __attribute__((target("avx512f,fma,f16c")))
 #define KC5 512
+/* the values and bytes of one AVX-512 block step of format N: its block, or 16 values of F32 and F16 */
+#define STEP5(N) (BLOCK_##N < 16 ? 16 : BLOCK_##N)
+#define BYTES5(N) (BYTES_##N * STEP5(N) / BLOCK_##N)
 
 /* W[r] (r < RB, the same 16 values of RB stored rows): acc[r * G + g] += W[r] * x[g][off .. off + 16) for the G x
  * rows; with RB > 1 each x vector is loaded once for the RB rows (the compiler would otherwise fold a load into
@@ -447,13 +465,13 @@ INL void rows5(int qtype, const uint8_t *const *rows, long k0, long len, const f
         for (long i = 0; i < len; i += STEP) ROWS_STEP(STEP, BYTES, FN, (const float(*)[16])sc_[i / STEP][r]) \
     }
     switch (qtype) {
-    case T_F32: EACH_ROW(16, 64, b5_f32) break;
-    case T_F16: EACH_ROW(16, 32, b5_f16) break;
-    case T_Q4_1: EACH_ROW(32, 20, b5_q4_1) break;
-    case T_Q5_0: EACH_ROW(32, 22, b5_q5_0) break;
-    case T_Q8_0: EACH_ROW(32, 34, b5_q8_0) break;
-    case T_Q4_K: EACH_ROW_PREP(256, 144, q4k_prep, b5_q4_k) break;
-    case T_Q6_K: EACH_ROW(256, 210, b5_q6_k) break;
+    case T_F32: EACH_ROW(STEP5(F32), BYTES5(F32), b5_f32) break;
+    case T_F16: EACH_ROW(STEP5(F16), BYTES5(F16), b5_f16) break;
+    case T_Q4_1: EACH_ROW(STEP5(Q4_1), BYTES5(Q4_1), b5_q4_1) break;
+    case T_Q5_0: EACH_ROW(STEP5(Q5_0), BYTES5(Q5_0), b5_q5_0) break;
+    case T_Q8_0: EACH_ROW(STEP5(Q8_0), BYTES5(Q8_0), b5_q8_0) break;
+    case T_Q4_K: EACH_ROW_PREP(STEP5(Q4_K), BYTES5(Q4_K), q4k_prep, b5_q4_k) break;
+    case T_Q6_K: EACH_ROW(STEP5(Q6_K), BYTES5(Q6_K), b5_q6_k) break;
     }
 #undef ROWS_STEP
 #undef EACH_ROW
@@ -561,12 +579,40 @@ static void sum_tile(const job_t *j, const float *acc, long n0) {
     }
 }
 
+/* One part of a chunk's work alone, for `--parts` of the CPU bench: where the time of a pass goes.
+ * PART_READ loads every byte of the tile's blocks (with the same prefetch) and does nothing else; PART_DEQUANT
+ * also dequantises them into the L1 scratch (the many-row path's code, whose work the in-register path does
+ * once per chunk too); PART_FMA runs only the x rows' FMAs against a scratch already in L1 (no block read).
+ * Each folds a value into the accumulators, so the compiler cannot drop the work. */
+static A512 void one_part(const job_t *j, const uint8_t *const *rows, long k0, long len, long at, long span,
+                          float *scratch, float *acc) {
+    if (j->part == PART_READ) {
+        __m512i v = _mm512_setzero_si512();
+        for (int r = 0; r < TILE; r++)
+            for (long b = 0; b + 64 <= span; b += 64) v = _mm512_xor_si512(v, _mm512_loadu_si512(rows[r] + at + b));
+        acc[0] += (float)_mm512_reduce_add_epi32(v);
+    } else if (j->part == PART_DEQUANT) {
+        deq5_tile(j->qtype, rows, k0, len, scratch);
+        acc[0] += scratch[len - 1];
+    } else {
+        for (long g0 = 0; g0 < j->m; g0 += 8) {
+            long g = j->m - g0 < 8 ? j->m - g0 : 8;
+            const float *x = j->x + g0 * j->ldx + k0;
+            if (g <= 4)
+                MICRO5[g](scratch, x, j->ldx, acc + g0 * 16, len);
+            else
+                for (int r = 0; r < TILE; r += 2)
+                    MICRO5[g](scratch + r * KC5, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16, len);
+        }
+    }
+}
+
 static void run_tiles5(const job_t *j) {
-    long block = j->qtype == T_Q4_K || j->qtype == T_Q6_K ? 256 : j->qtype <= T_F16 ? 16 : 32;
-    long bsize = j->qtype == T_Q4_K ? 144 : j->qtype == T_Q6_K ? 210 : j->qtype == T_Q4_1 ? 20
-               : j->qtype == T_Q5_0 ? 22 : j->qtype == T_Q8_0 ? 34 : j->qtype == T_F16 ? 32 : 64;
+    const traits_t *f = &TRAITS[j->qtype];
+    long block = f->block < 16 ? 16 : f->block, bsize = f->bytes * block / f->block; /* STEP5, BYTES5 */
     static __thread float acc[TILE * MAX_ROWS * 16] __attribute__((aligned(64)));
     float scratch[TILE * KC5] __attribute__((aligned(64)));
+    if (j->part == PART_FMA) memset(scratch, 0, sizeof scratch);
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
         long n0 = t * TILE;
         for (int r = 0; r < TILE; r++) memset(acc + r * MAX_ROWS * 16, 0, sizeof(float) * j->m * 16);
@@ -580,7 +626,9 @@ static void run_tiles5(const job_t *j) {
                     for (long b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);
                 rows[r] = j->w + (n0 + r < j->n ? n0 + r : n0) * j->row_bytes; /* past the end: recomputed, unused */
             }
-            if (j->m >= SCRATCH_FROM) {
+            if (j->part) {
+                one_part(j, rows, k0, len, at, span, scratch, acc);
+            } else if (j->m >= SCRATCH_FROM) {
                 deq5_tile(j->qtype, rows, k0, len, scratch);
                 for (long g0 = 0; g0 < j->m; g0 += 8) {
                     long g = j->m - g0 < 8 ? j->m - g0 : 8;
@@ -614,11 +662,12 @@ int gguf_isa(int want) {
     return isa;
 }
 
-/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W n stored rows of row_bytes; 1 <= m <= 64,
- * k a multiple of the block size and of 8. Returns 0, or -1 for bad arguments. */
-int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long k, long row_bytes, int qtype, float *y,
-                long ldy, int threads) {
-    if (m < 1 || m > MAX_ROWS || k % 8 || !gguf_supported(qtype)) return -1;
+/* gguf_matmul with only one part of the AVX-512 path's work (PART_READ, PART_DEQUANT or PART_FMA; y is then
+ * meaningless), or all of it (PART_ALL). Returns -1 for a part without the AVX-512 path. */
+int gguf_matmul_part(const float *x, long m, long ldx, const uint8_t *w, long n, long k, long row_bytes, int qtype,
+                     float *y, long ldy, int threads, int part) {
+    if (m < 1 || m > MAX_ROWS || k % 8 || !gguf_supported(qtype) || part < PART_ALL || part > PART_FMA) return -1;
+    if (part && !(gguf_isa(-1) && k % 16 == 0)) return -1;
     long tiles = (n + TILE - 1) / TILE;
     long per_thread = MIN_WORK_PER_THREAD / (m < 8 ? m : 8) + 1; /* weights per thread worth waking it */
     if (threads > n * k / per_thread) threads = (int)(n * k / per_thread);
@@ -627,7 +676,8 @@ int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long
     job_t jobs[64];
     if (threads > 64) threads = 64;
     for (int t = 0; t < threads; t++) {
-        jobs[t] = (job_t){x, w, y, m, ldx, n, k, row_bytes, ldy, tiles * t / threads, tiles * (t + 1) / threads, qtype};
+        jobs[t] = (job_t){x, w, y, m, ldx, n, k, row_bytes, ldy, tiles * t / threads, tiles * (t + 1) / threads, qtype,
+                          part};
     }
     void (*body)(const job_t *) = gguf_isa(-1) && k % 16 == 0 ? run_tiles5 : run_tiles;
     /* on the process's OpenMP team: torch's own threads, already running, rather than a second set that
@@ -635,4 +685,11 @@ int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
     for (int t = 0; t < threads; t++) body(&jobs[t]);
     return 0;
+}
+
+/* y[m, n] (row stride ldy) = x[m, k] (row stride ldx) @ W^T, W n stored rows of row_bytes; 1 <= m <= 64,
+ * k a multiple of the block size and of 8. Returns 0, or -1 for bad arguments. */
+int gguf_matmul(const float *x, long m, long ldx, const uint8_t *w, long n, long k, long row_bytes, int qtype, float *y,
+                long ldy, int threads) {
+    return gguf_matmul_part(x, m, ldx, w, n, k, row_bytes, qtype, y, ldy, threads, PART_ALL);
 }

@@ -1,0 +1,1 @@
+"""Kernel benchmarks (CPU and GPU): timings for the records, never for tests."""

@@ -1,0 +1,1 @@
+"""Plain-PyTorch references and oracles the kernels are tested against (no compiled code)."""
