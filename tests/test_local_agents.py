@@ -11,7 +11,7 @@ from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.claude import ClaudeAgent, MissingAPIKey
 from core.agents.diffs import apply_unified_diff
 from core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, MemoryAgent, RuntimeAgent,
-                               TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent)
+                               TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent, _nodes)
 from core.agents.registry import directions, local_agents_for, make_agents, parse_agents
 from core.costmodel import trees
 from core.engine.tree import static_prefixes
@@ -39,7 +39,8 @@ class FakeTools:
     """
 
     def __init__(self, device: str = "cuda", batch_size: int = 1, drafters: tuple[str, ...] = tuple(RANKS),
-                 weight_ms: float = 2.0, launch_ms: float = 0.6) -> None:
+                 weight_ms: float = 2.0, launch_ms: float = 0.6, node_ms: float = 0.03) -> None:
+        self.node_ms = node_ms
         self.device = device
         self.batch_size = batch_size
         self.drafters = list(drafters)
@@ -75,7 +76,7 @@ class FakeTools:
         return trees.expected_length(RANKS[self.key(recipe)], self.nodes(recipe))
 
     def verify_ms(self, nodes: int) -> float:
-        return self.launch_ms + self.weight_ms + 0.03 * nodes
+        return self.launch_ms + self.weight_ms + self.node_ms * nodes
 
     def step_ms(self, recipe: Recipe) -> dict[str, float]:
         nodes = self.nodes(recipe)
@@ -149,6 +150,25 @@ def test_tree_shape_picks_the_fastest_it_considered(tmp_path: Path) -> None:
     assert tools.seen[cand.recipe.to_toml()] == max(tools.seen.values())
     assert len(tools.seen) >= 10 and "best 16-node tree" in text and "dynamic budget" in text
     assert cand.predicted_speedup == pytest.approx(tools.seen[cand.recipe.to_toml()] / tools.predict(builtin("stock")))
+
+
+def test_tree_shape_goes_wide_and_deep_only_where_the_verify_curve_is_flat(tmp_path: Path) -> None:
+    """A flat curve (a matrix unit: 33 tokens within KNEE x one) gets 16-32-node dynamic trees, deeper ones and
+    deeper chains priced, and a wide tree picked; a CPU-like steep curve keeps a small tree and prices none of
+    the extra shapes."""
+    flat = FakeTools(node_ms=0.005)
+    out, text = run(TreeShapeAgent(), context(tmp_path, tools=flat))
+    cand = check_candidate(out, context(tmp_path))
+    assert "flat, so wider and deeper trees" in text
+    assert "dynamic budget 32 depth 12" in text and "chain depth 12" in text
+    assert cand.recipe.tree.policy in ("dynamic", "static") and _nodes(cand.recipe) >= 16
+    assert flat.seen[cand.recipe.to_toml()] == max(flat.seen.values())
+
+    steep = FakeTools(node_ms=1.0)
+    out, text = run(TreeShapeAgent(), context(tmp_path, tools=steep))
+    cand = check_candidate(out, context(tmp_path))
+    assert "flat" not in text and "chain depth" not in text and "depth 12" not in text
+    assert _nodes(cand.recipe) <= 8
 
 
 def test_draft_length_streams_the_sweep(tmp_path: Path) -> None:

@@ -22,6 +22,9 @@ from core.recipe import LINEAR_BACKENDS, Recipe, RecipeError
 MIN_GAIN = 0.01  # below this the judge's noise floor swallows the change: not worth a timing slot
 BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
 DYNAMIC_SHAPES = ((16, 6), (32, 6), (64, 8))  # (budget, depth); EAGLE-2 style, topk 4
+# where verifying 33 tokens costs <= KNEE x one (a matrix unit, a GPU): wider and deeper shapes, and deeper chains
+FLAT_SHAPES = ((8, 4), (16, 8), (24, 8), (32, 8), (32, 10), (32, 12))
+FLAT_CHAINS = (6, 8, 10, 12)
 MAX_DEPTH = 8
 CHAIN_DEPTHS = tuple(range(1, 11))
 NGRAM_DEPTHS = tuple(range(1, 13))
@@ -178,11 +181,21 @@ class TreeShapeAgent(LocalAgent):
             say(f"best {budget}-node tree (depth {o.recipe.tree.depth}): {o.accepted:.2f} tokens/step, "
                 f"predicted {o.predicted:.0f} tok/s ({pct(o.predicted, base.predicted)})")
             options.append(o)
-        for budget, depth in DYNAMIC_SHAPES:
+        one, wide = tools.verify_ms(1), tools.verify_ms(33)
+        flat = wide <= KNEE * one
+        say(f"verify curve: 33 tokens cost {wide / one:.2f}x one" + (
+            f" (<= {KNEE:.2f}x: flat, so wider and deeper trees and deeper chains are worth pricing)" if flat else ""))
+        for budget, depth in DYNAMIC_SHAPES + (FLAT_SHAPES if flat else ()):
             recipe = inc.replace(tree={"policy": "dynamic", "budget": budget, "depth": depth, "topk": 4, "paths": []})
             o = evaluate(tools, f"dynamic tree (budget {budget}, depth {depth})", recipe)
             say(f"dynamic budget {budget} depth {depth}: {o.accepted:.2f} tokens/step, predicted "
                 f"{o.predicted:.0f} tok/s ({pct(o.predicted, base.predicted)})")
+            options.append(o)
+        for depth in FLAT_CHAINS if flat else ():
+            o = evaluate(tools, f"chain depth {depth}", inc.replace(tree={"policy": "chain", "depth": depth,
+                                                                          "paths": []}))
+            say(f"chain depth {depth}: {o.accepted:.2f} tokens/step, predicted {o.predicted:.0f} tok/s "
+                f"({pct(o.predicted, base.predicted)})")
             options.append(o)
         return self.finish(ctx, base, options, f"tree within budget {max(BUDGETS)}", say,
                            "On the same drafter guesses, this shape locks in {best.accepted:.2f} tokens per verify "
@@ -275,7 +288,7 @@ class DrafterChoiceAgent(LocalAgent):
 
 class DrafterFormatAgent(LocalAgent):
     """Drafting gap: the drafter model's products in approximate 8- or 4-bit blocks (weights.drafter_format,
-    kernels/q8_draft.c), priced on the profile's measured drafter curves in each format. A drafter only
+    kernels/cpu/q8_draft.c), priced on the profile's measured drafter curves in each format. A drafter only
     proposes, so the output cannot change; its acceptance can, which the prediction holds at the profiled
     rate and the judge measures on held-out requests."""
 
