@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from core.deployment import Deployment
 from core.engine import Engine
+from core.engine.decode import sync
 from core.recipe import Recipe
 from core.workload import Request, encode, load, split
 
@@ -165,10 +166,10 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
 
 def _hf_runner(hf: HFSystems, name: str, prompts: dict, limits: dict, device: str):
     def go(request: Request) -> tuple[list[int], float, list[int]]:
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         tokens = hf.run(name, prompts[request.id], limits[request.id])
-        _sync(device)
+        sync(device)
         return tokens, time.perf_counter() - t0, []
     return go
 
@@ -180,10 +181,6 @@ def _our_runner(engine: Engine, recipe: Recipe | None, prompts: dict, limits: di
         return result.tokens[0], result.seconds, [a for s in result.steps for a in s.accepted]
     return go
 
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def table(summary: dict) -> str:

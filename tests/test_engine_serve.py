@@ -166,3 +166,69 @@ def test_a_ragged_target_prices_steps_by_their_mean_depth():
     ragged = Policy("allocate", TreeSpec("static", chain_paths(2)), table, ragged=True)
     ragged.observe([2, 0], 25.0)  # mean depth 1, priced 15 ms
     assert ragged.overhead_ms == {2: {1: 10.0}}
+
+
+def _reason(tokens: list[int], eos: set[int]) -> str:
+    return "stop" if tokens and tokens[-1] in eos else "length"
+
+
+def test_scheduler_requests_join_and_leave_between_steps(setup):
+    """Requests added while others are in flight, more than the rows hold: each one's tokens are its own
+    single-request AR output, and each ends once, with the reason it ended."""
+    from core.recipe import builtin
+
+    engine, prompts, limits, reference, _ = setup
+    sched = engine.scheduler(builtin("stock"), max_batch=3, max_len=max(len(p) + n for p, n in zip(prompts, limits)))
+    eos = set(engine.target.cfg.eos_token_ids)
+    ids, out, ended = {}, {}, {}
+    for k in (0, 1):
+        ids[sched.add(prompts[k], limits[k])] = k
+    rounds = 0
+    while not sched.idle() or len(ids) < len(prompts):
+        if rounds in (2, 3, 4) or (sched.idle() and len(ids) < len(prompts)):
+            for k in range(len(ids), min(len(ids) + 2, len(prompts))):
+                ids[sched.add(prompts[k], limits[k], seed_id=k)] = k
+        assert sched.in_flight <= 3
+        for ev in sched.step():
+            k = ids[ev.id]
+            assert k not in ended, "a request went on after it ended"
+            out.setdefault(k, []).extend(ev.tokens)
+            if ev.finish:
+                ended[k] = ev.finish
+        rounds += 1
+    assert [out[k] for k in range(len(prompts))] == reference
+    assert ended == {k: _reason(reference[k], eos) for k in range(len(prompts))}
+    assert sched.steps and sched.idle() and sched.step() == []
+
+
+def test_abort_frees_the_row_at_once_and_the_next_request_takes_it(setup):
+    from core.recipe import builtin
+
+    engine, prompts, limits, reference, _ = setup
+    sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=64)
+    a, b, c, d = (sched.add(prompts[k], limits[k], seed_id=k) for k in (3, 6, 5, 2))
+    events = sched.step()
+    assert {ev.id for ev in events} == {a, b} and sched.in_flight == 2 and sched.waiting == 2
+    assert sched.abort(b) and sched.in_flight == 1  # freed now, not at the next step
+    assert sched.abort(d) and sched.waiting == 1  # a queued request never runs
+    assert not sched.abort(b) and not sched.abort(99)
+    out = {a: [t for ev in events if ev.id == a for t in ev.tokens], c: []}
+    while not sched.idle():
+        assert sched.in_flight <= 2
+        for ev in sched.step():
+            assert ev.id in (a, c)
+            out[ev.id].extend(ev.tokens)
+    assert out[a] == reference[3] and out[c] == reference[5]
+
+
+def test_scheduler_refuses_what_its_context_cannot_hold(setup):
+    from core.engine.decode import GenerationError
+    from core.recipe import builtin
+
+    engine, *_ = setup
+    sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=40)
+    with pytest.raises(GenerationError, match="30 tokens \\+ max_new_tokens 11 does not fit the context of 40"):
+        sched.add(list(range(30)), 11)
+    with pytest.raises(GenerationError, match="max_new_tokens >= 1"):
+        sched.add([1, 2], 0)
+    assert sched.idle()

@@ -15,23 +15,20 @@ import time
 
 import torch
 
+from core.engine.decode import sync
 from core.engine.model import DTYPES
 from kernels import cache_dir
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def _time(fn, device: torch.device, repeats: int) -> list[float]:
     fn()
-    _sync(device)
+    sync(device)
     out = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         out.append(time.perf_counter() - t0)
     return out
 

@@ -20,6 +20,7 @@ import torch
 from core import progress
 from core.engine import Engine, StepStats
 from core.engine.config import ModelLoadError
+from core.engine.decode import sync
 from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.tree import chain_paths
@@ -107,10 +108,6 @@ def _int_keys(curve: dict) -> dict[int, float]:
     return {int(k): float(v) for k, v in curve.items()}
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
 
 def median_ms(fns: dict, device: torch.device, repeats: int) -> dict:
     """Median wall ms of each callable after a warm-up round; rounds go over all callables in turn, so a
@@ -120,7 +117,7 @@ def median_ms(fns: dict, device: torch.device, repeats: int) -> dict:
         for key, fn in fns.items():
             t0 = time.perf_counter()
             fn()
-            _sync(device)
+            sync(device)
             if r:
                 times[key].append((time.perf_counter() - t0) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}

@@ -91,7 +91,9 @@ class AcceptanceRule:
     batched: bool = False
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device | str) -> None:
+    """Wait for the device's queued work, so a host timer measures it (a no-op on the CPU)."""
+    device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -172,10 +174,10 @@ def step(target: Transformer, cache, draft: Callable[[], list[DraftTree]], draft
     dev = target.device
     t0 = time.perf_counter()
     trees = draft()
-    _sync(dev)
+    sync(dev)
     t1 = time.perf_counter()
     choice = verify(target, cache, trees, ver, req, lengths, rule)
-    _sync(dev)
+    sync(dev)
     t2 = time.perf_counter()
     paths, emitted = [], []
     for b in rows:
@@ -185,7 +187,7 @@ def step(target: Transformer, cache, draft: Callable[[], list[DraftTree]], draft
     commit_paths(cache, rows, paths, lengths)
     if drafter is not None:
         drafter.commit(rows, paths, emitted)
-    _sync(dev)
+    sync(dev)
     t3 = time.perf_counter()
     return Step(trees, rows, paths, emitted, t0, t3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
 

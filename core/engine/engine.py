@@ -11,7 +11,7 @@ from core.engine.config import ModelLoadError
 from core.engine.decode import GenerateResult, Verification, generate
 from core.engine.drafters import Drafter, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
-from core.engine.serve import CostTable, Policy, measure_costs, serve
+from core.engine.serve import CostTable, Policy, Scheduler, check_fits, drive, measure_costs
 from core.mechanisms import check_recipe, lookup
 from core.recipe import Recipe, stock
 
@@ -184,12 +184,22 @@ class Engine:
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
               table: CostTable | None = None, request_ids: list[int] | None = None,
               speculative: bool = True) -> GenerateResult:
-        """Continuous batching of many requests (recipe None = batched autoregressive decoding; speculative
-        False = the same on the recipe's target, its weight format and linear backend). Batching policies
-        price steps with `table`, by default the recipe's own measured cost table."""
+        """Continuous batching of a fixed list of requests through `scheduler` (see there for the arguments)."""
+        target = self.target if recipe is None else self.models_for(recipe)[0]
+        check_fits(target, prompts, limits)
+        sched = self.scheduler(recipe, max_batch, max(len(p) + n for p, n in zip(prompts, limits)), table,
+                               speculative)
+        return drive(sched, prompts, limits, request_ids)
+
+    def scheduler(self, recipe: Recipe | None, max_batch: int, max_len: int | None = None,
+                  table: CostTable | None = None, speculative: bool = True) -> Scheduler:
+        """The online continuous-batching scheduler for `recipe` (None = batched autoregressive decoding;
+        speculative False = the same on the recipe's target, its weight format and linear backend): requests
+        of up to `max_len` tokens (prompt and new ones; default the model's context) join and leave between
+        steps. Batching policies price steps with `table`, by default the recipe's own measured cost table."""
         if recipe is None or not speculative:
             target = self.target if recipe is None else self.models_for(recipe)[0]
-            return serve(target, None, prompts, limits, None, max_batch=max_batch, request_ids=request_ids)
+            return Scheduler(target, None, None, max_batch=max_batch, max_len=max_len)
         target, _ = self.models_for(recipe)
         b, v = recipe.batching, recipe.verify
         if recipe.draft.length != "fixed":
@@ -200,8 +210,8 @@ class Engine:
         if table is None and b.policy != "fixed":
             table = self.cost_table(recipe, [max_batch])
         policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap, target.ragged)
-        return serve(target, self.drafter_for(recipe), prompts, limits, tree_spec(recipe), policy, max_batch,
-                     Verification(v.sampling, v.temperature, v.top_p, v.seed), request_ids)
+        return Scheduler(target, self.drafter_for(recipe), tree_spec(recipe), policy, max_batch, max_len,
+                         Verification(v.sampling, v.temperature, v.top_p, v.seed))
 
     @property
     def device(self) -> torch.device:

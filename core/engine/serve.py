@@ -1,5 +1,8 @@
 """Continuous batching with batch-aware speculation: requests join and leave between steps.
 
+`Scheduler` is the one serving path: `add` a request, `step` (admit what fits, one speculative step over every
+row in flight, the new tokens per request), `abort`. `serve` drives it over a fixed list (what `bench
+--batch-sizes` measures); an online server drives the same object from its engine thread.
 Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
 next queued prompt, or by the last active row), so every forward runs on exactly the active batch.
 Batching policies (kind "batching" in core/mechanisms.py, looked up by name) decide each row's draft
@@ -29,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _sync, _truncate,
+from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _truncate, sync,
                                 cache_room, drafter_room, step)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import KVCache, Transformer
@@ -86,10 +89,10 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
         depths = torch.arange(tokens, device=model.device).expand(rows, tokens)
         anc = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=model.device)).expand(rows, tokens, tokens)
         with torch.inference_mode():
-            _sync(model.device)
+            sync(model.device)
             t0 = time.perf_counter()
             model.step(toks, cache, cache.lengths, depths, anc)
-            _sync(model.device)
+            sync(model.device)
         return (time.perf_counter() - t0) * 1e3
 
     counts = range(1, max_depth + 2)
@@ -207,97 +210,203 @@ class Policy:
         known[depth] = seen if depth not in known else 0.8 * known[depth] + 0.2 * seen
 
 
+@dataclass
+class Event:
+    """What one scheduler step did for one request: the tokens it emitted (EOS included, nothing past the
+    request's limit) and, once it is done, why: "stop" (EOS), "length" (max_new_tokens) or "abort"."""
+
+    id: int
+    tokens: list[int]
+    finish: str | None = None
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    limit: int
+    seed_id: int  # the id seeded sampling draws with (a request's tokens depend on it, never on its row)
+    out: list[int] = field(default_factory=list)
+
+
+class Scheduler:
+    """The online form of continuous batching: `add` queues a request, `step` admits queued requests into
+    free rows (prefilling their prompts) and runs one speculative step over every row in flight, `abort`
+    drops a request and frees its row at once. Requests join and leave between steps; a request's tokens
+    do not depend on what else is in flight. Not thread-safe: one thread drives it (the server's engine
+    thread; `serve` below for a fixed list)."""
+
+    def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
+                 policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
+                 verification: Verification | None = None) -> None:
+        self.ver = verification or Verification()
+        self.rule = lookup("acceptance", self.ver.sampling)
+        if not self.rule.batched:
+            raise GenerationError(f"continuous batching serves greedy or seeded verification, not "
+                                  f"{self.ver.sampling!r}")
+        self.target, self.spec, self.max_batch = target, spec, max_batch
+        self.policy = policy or Policy()
+        self.speculative = drafter is not None and spec is not None
+        self.drafter = drafter if self.speculative else None
+        self.ctx = target.cfg.max_position_embeddings
+        self.max_len = min(max_len or self.ctx, self.ctx)  # prompt + new tokens a request may take
+        nodes = max(spec.max_nodes, MAX_DEPTH) if self.speculative else 0
+        room = self.max_len + cache_room(nodes)
+        self.eos = set(target.cfg.eos_token_ids)
+        self.cache = target.new_cache(max_batch, room)
+        if self.drafter is not None:
+            self.drafter.open(max_batch, room + drafter_room(nodes))
+        self.queue: list[int] = []
+        self.requests: dict[int, _Request] = {}
+        self.rows: list[int] = []  # request id per cache row, rows packed from 0
+        self.lengths: list[int] = []
+        self.roots: list[int] = []
+        self.alphas: list[float] = []
+        self.steps: list[StepStats] = []
+        self._next_id = 0
+        self._chain_specs: dict[int, TreeSpec] = {}
+
+    def add(self, prompt: list[int], max_new_tokens: int, seed_id: int | None = None) -> int:
+        """Queue a request; returns its id. A prompt that does not fit with its new tokens is refused."""
+        if not prompt or max_new_tokens < 1:
+            raise GenerationError("a request needs a non-empty prompt and max_new_tokens >= 1")
+        if len(prompt) + max_new_tokens > self.max_len:
+            raise GenerationError(f"prompt of {len(prompt)} tokens + max_new_tokens {max_new_tokens} does not fit "
+                                  f"the context of {self.max_len} tokens; shorten the prompt or lower max_new_tokens")
+        rid = self._next_id
+        self._next_id += 1
+        self.requests[rid] = _Request(list(prompt), max_new_tokens, rid if seed_id is None else seed_id)
+        self.queue.append(rid)
+        return rid
+
+    def abort(self, rid: int) -> bool:
+        """Drop a queued or running request, freeing its row now; False if it is not (or no longer) here."""
+        if rid in self.queue:
+            self.queue.remove(rid)
+            del self.requests[rid]
+            return True
+        if rid in self.rows:
+            self._free(self.rows.index(rid))
+            return True
+        return False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def idle(self) -> bool:
+        return not self.rows and not self.queue
+
+    def step(self) -> list[Event]:
+        """Admit what fits, then one step over every row: each request's new tokens, and those that ended."""
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            while self.queue and len(self.rows) < self.max_batch:
+                self._admit(self.queue.pop(0))
+            if not self.rows:
+                return []
+            return self._step(t0)
+
+    def _admit(self, rid: int) -> None:
+        prompt = self.requests[rid].prompt
+        self.target.prefill_row(self.cache, len(self.rows), prompt[:-1])
+        if self.drafter is not None:
+            self.drafter.admit(prompt)
+        self.rows.append(rid)
+        self.lengths.append(len(prompt) - 1)
+        self.roots.append(prompt[-1])
+        self.alphas.append(PRIOR_ACCEPTANCE)
+
+    def _step(self, t0: float) -> list[Event]:
+        n, ver, spec = len(self.rows), self.ver, self.spec
+        view = self.cache.view(n)
+        req_ids = torch.tensor([self.requests[r].seed_id for r in self.rows])
+        depths = self.policy.depths(self.alphas) if self.speculative else None
+
+        def draft() -> list[DraftTree]:
+            if not self.speculative or (depths is not None and max(depths) == 0):
+                return [DraftTree.root(r) for r in self.roots]
+            step_spec = spec
+            if depths is not None:
+                step_spec = self._chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
+            trees = self.drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
+                                                            req_ids), [True] * n)
+            return trees if depths is None else [_truncate(t, d) for t, d in zip(trees, depths)]
+
+        taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, self.rule, req_ids,
+                     self.lengths, None)
+        events, done = [], []
+        for b in range(n):
+            self.roots[b] = taken.emitted[b][-1]
+            drafted = max(taken.trees[b].depths)
+            if drafted:
+                seen = acceptance_sample(len(taken.paths[b]), drafted)
+                self.alphas[b] = 0.7 * self.alphas[b] + 0.3 * min(0.95, max(0.05, seen))
+            req = self.requests[self.rows[b]]
+            new, finish = [], None
+            for t in taken.emitted[b]:
+                new.append(t)
+                req.out.append(t)
+                if t in self.eos or len(req.out) >= req.limit:
+                    finish = "stop" if t in self.eos else "length"
+                    break
+            events.append(Event(self.rows[b], new, finish))
+            if finish:
+                done.append(b)
+        for b in sorted(done, reverse=True):
+            self._free(b)
+        t5 = time.perf_counter()
+        if depths is not None:
+            self.policy.observe(depths, (t5 - taken.start) * 1e3)
+        self.steps.append(taken.stats((taken.start - t0 + t5 - taken.end) * 1e3))
+        return events
+
+    def _free(self, b: int) -> None:
+        """Row b leaves: the last row moves into it, so the rows in flight stay packed from 0."""
+        last = len(self.rows) - 1
+        del self.requests[self.rows[b]]
+        if b != last:
+            self.cache.move_row(last, b)
+            if self.drafter is not None:
+                self.drafter.move(last, b)
+            for lst in (self.rows, self.lengths, self.roots, self.alphas):
+                lst[b] = lst[last]
+        for lst in (self.rows, self.lengths, self.roots, self.alphas):
+            lst.pop()
+        if self.drafter is not None:
+            self.drafter.drop_last()
+
+
 def serve(target: Transformer, drafter: Drafter | None, prompts: list[list[int]], limits: list[int],
           spec: TreeSpec | None, policy: Policy | None = None, max_batch: int = 8,
           verification: Verification | None = None, request_ids: list[int] | None = None) -> GenerateResult:
     """Serve every request with at most `max_batch` in flight; outputs come back in request order."""
-    ver = verification or Verification()
-    rule = lookup("acceptance", ver.sampling)
-    if not rule.batched:
-        raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
-    policy = policy or Policy()
-    ids = request_ids if request_ids is not None else list(range(len(prompts)))
+    check_fits(target, prompts, limits)
+    sched = Scheduler(target, drafter, spec, policy, max_batch, max(len(p) + n for p, n in zip(prompts, limits)),
+                      verification)
+    return drive(sched, prompts, limits, request_ids)
+
+
+def check_fits(target: Transformer, prompts: list[list[int]], limits: list[int]) -> None:
+    """Refuse, naming the request, a list in which one prompt with its new tokens exceeds the context."""
     ctx = target.cfg.max_position_embeddings
     for i, (p, n) in enumerate(zip(prompts, limits)):
         if not p or len(p) + n > ctx:
             raise GenerationError(f"request {i}: prompt of {len(p)} tokens + max_new_tokens {n} does not fit the "
                                   f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
-    speculative = drafter is not None and spec is not None
-    nodes = max(spec.max_nodes, MAX_DEPTH) if speculative else 0
-    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + cache_room(nodes)
-    eos = set(target.cfg.eos_token_ids)
-    cache = target.new_cache(max_batch, max_len)
-    if speculative:
-        drafter.open(max_batch, max_len + drafter_room(nodes))
-    queue = list(range(len(prompts)))
-    rows: list[int] = []
-    lengths: list[int] = []
-    roots: list[int] = []
-    alphas: list[float] = []
-    outputs: list[list[int]] = [[] for _ in prompts]
-    steps: list[StepStats] = []
-    chain_specs: dict[int, TreeSpec] = {}
+
+
+def drive(sched: Scheduler, prompts: list[list[int]], limits: list[int],
+          request_ids: list[int] | None = None) -> GenerateResult:
+    """A fixed list of requests through a scheduler, all added at once; outputs in request order."""
+    ids = request_ids if request_ids is not None else list(range(len(prompts)))
     start = time.perf_counter()
-    with torch.inference_mode():
-        while queue or rows:
-            t0 = time.perf_counter()
-            while queue and len(rows) < max_batch:
-                req = queue.pop(0)
-                row = len(rows)
-                target.prefill_row(cache, row, prompts[req][:-1])
-                if speculative:
-                    drafter.admit(prompts[req])
-                rows.append(req)
-                lengths.append(len(prompts[req]) - 1)
-                roots.append(prompts[req][-1])
-                alphas.append(PRIOR_ACCEPTANCE)
-            n = len(rows)
-            view = cache.view(n)
-            req_ids = torch.tensor([ids[r] for r in rows])
-            depths = policy.depths(alphas) if speculative else None
-
-            def draft() -> list[DraftTree]:
-                if not speculative or (depths is not None and max(depths) == 0):
-                    return [DraftTree.root(r) for r in roots]
-                step_spec = spec
-                if depths is not None:
-                    step_spec = chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
-                trees = drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
-                                                           req_ids), [True] * n)
-                return trees if depths is None else [_truncate(t, d) for t, d in zip(trees, depths)]
-
-            taken = step(target, view, draft, drafter if speculative else None, list(range(n)), ver, rule, req_ids,
-                         lengths, None)
-            emitted = taken.emitted
-            for b in range(n):
-                roots[b] = emitted[b][-1]
-                drafted = max(taken.trees[b].depths)
-                if drafted:
-                    seen = acceptance_sample(len(taken.paths[b]), drafted)
-                    alphas[b] = 0.7 * alphas[b] + 0.3 * min(0.95, max(0.05, seen))
-            done = []
-            for b in range(n):
-                out = outputs[rows[b]]
-                for t in emitted[b]:
-                    out.append(t)
-                    if t in eos or len(out) >= limits[rows[b]]:
-                        done.append(b)
-                        break
-            for b in sorted(done, reverse=True):
-                last = len(rows) - 1
-                if b != last:
-                    cache.move_row(last, b)
-                    if speculative:
-                        drafter.move(last, b)
-                    rows[b], lengths[b], roots[b], alphas[b] = rows[last], lengths[last], roots[last], alphas[last]
-                rows.pop()
-                lengths.pop()
-                roots.pop()
-                alphas.pop()
-                if speculative:
-                    drafter.drop_last()
-            t5 = time.perf_counter()
-            if depths is not None:
-                policy.observe(depths, (t5 - taken.start) * 1e3)
-            steps.append(taken.stats((taken.start - t0 + t5 - taken.end) * 1e3))
-    return GenerateResult(outputs, steps, time.perf_counter() - start)
+    order = {sched.add(p, n, i): k for k, (p, n, i) in enumerate(zip(prompts, limits, ids))}
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while not sched.idle():
+        for ev in sched.step():
+            outputs[order[ev.id]].extend(ev.tokens)
+    return GenerateResult(outputs, sched.steps, time.perf_counter() - start)
