@@ -4,27 +4,15 @@ of 3). It is the check for how decoding scales with threads, e.g. 1 against 2.""
 import statistics
 import sys
 import time
-from pathlib import Path
 
-import torch
+from real_pair import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from core import workload  # noqa: E402
-from core.engine import gguf  # noqa: E402
-from core.engine.engine import Engine  # noqa: E402
-from core.fetch import fetch  # noqa: E402
-from core.recipe import builtin  # noqa: E402
+from core.recipe import builtin
 
 
 def main(threads: int) -> None:
-    torch.set_num_threads(threads)
-    from transformers import AutoTokenizer
-
-    paths = fetch("qwen-coder")
-    target, drafter = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
-    tok = AutoTokenizer.from_pretrained(target)
-    ids = workload.encode(tok, workload.split(workload.load("workloads/coding_chat.jsonl"), "all")[0])
-    engine = Engine.load(target, drafter)
+    pair = load(1, threads=threads)
+    ids, engine = pair.prompts[0], pair.engine
     recipe = builtin("stock-gguf-q4")
     for name, speculative in (("ar+gguf", False), ("stock-gguf-q4", True)):
         engine.generate([ids], 4, recipe, speculative=speculative)  # warm: kernels built, caches allocated

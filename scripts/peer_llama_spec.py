@@ -11,18 +11,10 @@ import re
 import subprocess
 import sys
 
-import torch
+from real_pair import decode_seconds, load
 
-from core import workload
-from core.engine import gguf
-from core.engine.engine import Engine
-from core.fetch import DEPLOYMENTS
 from core.recipe import builtin
-from kernels import cache_dir
-from transformers import AutoTokenizer
 
-QWEN = DEPLOYMENTS["qwen-coder"]
-TARGET, DRAFT = (str(cache_dir() / "models" / m.filename) for m in (QWEN.target, QWEN.drafter))
 NEW = 128
 
 
@@ -57,22 +49,17 @@ def same_tokens(tok, reference: list[int], text: str, capped: bool) -> int | Non
 
 def main() -> None:
     prompts, threads = (int(a) for a in (sys.argv[1:] + ["4", "1"])[:2])
-    torch.set_num_threads(threads)
-    if not (os.path.isfile(TARGET) and os.path.isfile(DRAFT)):
-        sys.exit(f"peer_llama_spec: no {TARGET} or {DRAFT}; run `specpilot fetch qwen-coder` first")
-    t, d = gguf.resolve(TARGET), gguf.resolve(DRAFT)
-    tok = AutoTokenizer.from_pretrained(t)
-    eng = Engine.load(t, d)
+    pair = load(prompts, threads=threads)
+    target, draft, tok, eng = pair.target, pair.drafter, pair.tokenizer, pair.engine
     ar, q4 = builtin("stock-gguf"), builtin("stock-gguf-q4")
-    common = ["-m", TARGET, "-t", str(threads), "-n", str(NEW), "--temp", "0", "-c", "2048"]
+    common = ["-m", target, "-t", str(threads), "-n", str(NEW), "--temp", "0", "-c", "2048"]
     modes = {
-        "llama.cpp AR": ("llama-simple", ["-m", TARGET, "-n", str(NEW)]),
-        "llama.cpp draft-simple (0.5B, 4)": ("llama-speculative-simple", [*common, "-md", DRAFT, "--spec-type",
+        "llama.cpp AR": ("llama-simple", ["-m", target, "-n", str(NEW)]),
+        "llama.cpp draft-simple (0.5B, 4)": ("llama-speculative-simple", [*common, "-md", draft, "--spec-type",
                                              "draft-simple", "--spec-draft-n-max", "4", "-td", str(threads)]),
         "llama.cpp ngram-simple": ("llama-speculative-simple", [*common, "--spec-type", "ngram-simple"]),
     }
-    for r, req in enumerate(workload.split(workload.load("workloads/coding_chat.jsonl"), "all")[:prompts]):
-        ids = workload.encode(tok, req)
+    for r, ids in enumerate(pair.prompts):
         prompt = tok.decode(ids)
         reference = eng.generate([ids], NEW, ar, speculative=False).tokens[0]
         print(f"request {r}: {len(ids)} prompt tokens, reference {len(reference)} tokens", flush=True)
@@ -85,7 +72,7 @@ def main() -> None:
                   f"accepted {accept.group(1) + '%' if accept else '-'}, "
                   f"{'identical' if same is None else f'diverges after {same} tokens'}", flush=True)
         g = eng.generate([ids], NEW, q4)
-        loop = sum(s.draft_ms + s.verify_ms + s.commit_ms + s.host_ms for s in g.steps) / 1e3
+        loop = decode_seconds(g)
         assert g.tokens[0] == reference, "stock-gguf-q4 differs from the reference"
         print(f"  ours stock-gguf-q4: {len(g.tokens[0]) / loop:.2f} tok/s, identical", flush=True)
 

@@ -7,28 +7,21 @@ ar+gguf (no drafter)."""
 import time
 
 import torch
+from real_pair import decode_seconds, load
 
-torch.set_num_threads(1)
-from core import workload
 from core.engine import gguf
-from core.engine.engine import Engine
-from core.fetch import fetch
-from core.recipe import builtin
 from core.hf import hf_model
-from transformers import AutoTokenizer
-paths = fetch("qwen-coder")  # the cached files (a second fetch returns at once), wherever the cache root is
-t, d = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
-tok = AutoTokenizer.from_pretrained(t)
-reqs = workload.split(workload.load("workloads/coding_chat.jsonl"), "all")[:16]
-enc = [workload.encode(tok, r) for r in reqs]
-hf = hf_model(t, "float32", "cpu")
-eng = Engine.load(t, d)
+from core.recipe import builtin
+
+pair = load(16, threads=1)
+enc, eng = pair.prompts, pair.engine
+hf = hf_model(gguf.resolve(pair.target), "float32", "cpu")
 recipes = {"stock-gguf-q4": builtin("stock-gguf-q4"), "stock-gguf": builtin("stock-gguf")}
 
 
 def before_first_step(ids: list[int], recipe, speculative: bool = True) -> float:
     res = eng.generate([ids], 1, recipe, speculative=speculative)
-    return res.seconds - sum(s.draft_ms + s.verify_ms + s.commit_ms + s.host_ms for s in res.steps) / 1e3
+    return res.seconds - decode_seconds(res)
 
 
 for recipe in recipes.values():

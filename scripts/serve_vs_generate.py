@@ -4,16 +4,10 @@ requests one after another, two rounds; tok/s of each and the phases' totals. It
 batching with one request in flight costs what single-request generation costs."""
 import sys
 import time
-from pathlib import Path
 
-import torch
+from real_pair import load
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from core import workload  # noqa: E402
-from core.engine import gguf  # noqa: E402
-from core.engine.engine import Engine  # noqa: E402
-from core.fetch import fetch  # noqa: E402
-from core.recipe import builtin  # noqa: E402
+from core.recipe import builtin
 
 
 def phases(result) -> dict[str, int]:
@@ -22,15 +16,8 @@ def phases(result) -> dict[str, int]:
 
 
 def main(threads: int, n_requests: int, new: int) -> None:
-    from transformers import AutoTokenizer
-
-    torch.set_num_threads(threads)
-    paths = fetch("qwen-coder")
-    target, drafter = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
-    tok = AutoTokenizer.from_pretrained(target)
-    reqs = workload.split(workload.load("workloads/coding_chat.jsonl"), "all")[:n_requests]
-    prompts = [workload.encode(tok, r) for r in reqs]
-    engine = Engine.load(target, drafter)
+    pair = load(n_requests, threads=threads)
+    prompts, engine = pair.prompts, pair.engine
     recipe = builtin("stock-gguf-q4")
     engine.generate([prompts[0]], 4, recipe)  # warm: kernels built, drafter copies made
     engine.serve([prompts[0]], [4], recipe, 1)

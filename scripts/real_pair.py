@@ -1,0 +1,54 @@
+"""The real pair for scripts, loaded one way: `from real_pair import load` (run scripts as `python scripts/X.py`).
+
+Paths come from `specpilot fetch qwen-coder` (a second fetch returns the cached files at once), requests from
+workloads/coding_chat.jsonl through the target's chat template, and the engine holds both models."""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+if str(REPO) not in sys.path:
+    sys.path.insert(0, str(REPO))
+
+WORKLOAD = REPO / "workloads" / "coding_chat.jsonl"
+
+
+@dataclass
+class RealPair:
+    """Qwen2.5-Coder-1.5B-Instruct with its 0.5B drafter, and the first requests of a split, encoded."""
+
+    target: str  # the GGUF files, as fetched
+    drafter: str
+    tokenizer: Any
+    requests: list  # core.workload.Request
+    prompts: list[list[int]]
+    engine: Any  # core.engine.engine.Engine
+
+
+def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine: bool = True) -> RealPair:
+    """The pair and the first `n` requests of `split` (all when None); torch on `threads` threads unless None."""
+    import torch
+
+    if threads is not None:
+        torch.set_num_threads(threads)
+    from transformers import AutoTokenizer
+
+    from core import workload
+    from core.engine import gguf
+    from core.engine.engine import Engine
+    from core.fetch import fetch
+
+    paths = fetch("qwen-coder")
+    target, drafter = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
+    tok = AutoTokenizer.from_pretrained(target)
+    reqs = workload.split(workload.load(str(WORKLOAD)), split)[:n]
+    return RealPair(paths["target"], paths["drafter"], tok, reqs, [workload.encode(tok, r) for r in reqs],
+                    Engine.load(target, drafter) if engine else None)
+
+
+def decode_seconds(result: Any) -> float:
+    """Seconds a generate result spent in its decode steps (draft, verify, commit, host), prompt excluded."""
+    return sum(s.draft_ms + s.verify_ms + s.commit_ms + s.host_ms for s in result.steps) / 1e3
