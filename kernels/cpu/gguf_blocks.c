@@ -579,6 +579,19 @@ static void sum_tile(const job_t *j, const float *acc, long n0) {
     }
 }
 
+/* Every x row against a tile's dequantised chunk in the L1 scratch, 8 x rows at a time. */
+static void scratch_fmas(const job_t *j, const float *scratch, long k0, long len, float *acc) {
+    for (long g0 = 0; g0 < j->m; g0 += 8) {
+        long g = j->m - g0 < 8 ? j->m - g0 : 8;
+        const float *x = j->x + g0 * j->ldx + k0;
+        if (g <= 4)
+            MICRO5[g](scratch, x, j->ldx, acc + g0 * 16, len);
+        else
+            for (int r = 0; r < TILE; r += 2)
+                MICRO5[g](scratch + r * KC5, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16, len);
+    }
+}
+
 /* One part of a chunk's work alone, for `--parts` of the CPU bench: where the time of a pass goes.
  * PART_READ loads every byte of the tile's blocks (with the same prefetch) and does nothing else; PART_DEQUANT
  * also dequantises them into the L1 scratch (the many-row path's code, whose work the in-register path does
@@ -595,15 +608,7 @@ static A512 void one_part(const job_t *j, const uint8_t *const *rows, long k0, l
         deq5_tile(j->qtype, rows, k0, len, scratch);
         acc[0] += scratch[len - 1];
     } else {
-        for (long g0 = 0; g0 < j->m; g0 += 8) {
-            long g = j->m - g0 < 8 ? j->m - g0 : 8;
-            const float *x = j->x + g0 * j->ldx + k0;
-            if (g <= 4)
-                MICRO5[g](scratch, x, j->ldx, acc + g0 * 16, len);
-            else
-                for (int r = 0; r < TILE; r += 2)
-                    MICRO5[g](scratch + r * KC5, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16, len);
-        }
+        scratch_fmas(j, scratch, k0, len, acc);
     }
 }
 
@@ -630,15 +635,7 @@ static void run_tiles5(const job_t *j) {
                 one_part(j, rows, k0, len, at, span, scratch, acc);
             } else if (j->m >= SCRATCH_FROM) {
                 deq5_tile(j->qtype, rows, k0, len, scratch);
-                for (long g0 = 0; g0 < j->m; g0 += 8) {
-                    long g = j->m - g0 < 8 ? j->m - g0 : 8;
-                    const float *x = j->x + g0 * j->ldx + k0;
-                    if (g <= 4)
-                        MICRO5[g](scratch, x, j->ldx, acc + g0 * 16, len);
-                    else
-                        for (int r = 0; r < TILE; r += 2)
-                            MICRO5[g](scratch + r * KC5, x, j->ldx, acc + (r * MAX_ROWS + g0) * 16, len);
-                }
+                scratch_fmas(j, scratch, k0, len, acc);
             } else if (j->m <= 4) {
                 ROWS5[j->m](j->qtype, rows, k0, len, j->x + k0, j->ldx, acc);
             } else { /* two stored rows at a time: 10-16 independent FMA chains, each x load shared by both */
