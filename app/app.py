@@ -263,9 +263,8 @@ class SpecPilotApp(App[int]):
         if not self._hung_up:
             self.exit(return_code=code)
             return
-        from core.judge import kill_workers
-
-        kill_workers()
+        if self.bridge is not None:
+            self.bridge.kill_workers()
         sys.stderr.flush()
         os._exit(code)
 
@@ -278,14 +277,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     app.run()
     code = app.return_code or 0
     if app.bridge is not None and not app.bridge.join(2.0):  # the app already waited QUIT_GRACE_S for it
-        from core.judge import kill_workers
-
         failed = app.bridge.close_abandoned()
         if failed:
             print(f"specpilot-tui: could not record the run's end ({failed}); it will read as interrupted",
                   file=sys.stderr)
         print(f"specpilot-tui: the loop did not stop in time ({app.bridge.waiting_for}); "
-              f"killed {kill_workers()} worker(s) and left", file=sys.stderr)
+              f"killed {app.bridge.kill_workers()} worker(s) and left", file=sys.stderr)
         sys.stderr.flush()
         os._exit(code)
     return code

@@ -211,6 +211,12 @@ class LoopBridge:
             return one_line(exc)
         return None
 
+    def kill_workers(self) -> int:
+        """Kill the loop's workers through its control API (the process is leaving without waiting for the
+        step in flight); returns how many there were, 0 for a handle without workers."""
+        kill = getattr(self.handle, "kill_workers", None)
+        return int(kill()) if kill is not None else 0
+
     def join(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for the loop thread; True when it has ended."""
         if self.thread is not None:

@@ -11,8 +11,13 @@ import difflib
 import re
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable
+
+from core.recipe import Recipe
+
+RECIPE_FILE = "recipe.toml"
+PLUGIN_GLOB = "plugins/*.py"
 
 SEARCH_MARK = "<<<<<<< SEARCH"
 DIVIDER_MARK = "======="
@@ -378,3 +383,14 @@ def apply_edits(edits: list[FileEdit], files: dict[str, str], allow: Callable[[s
         else:
             raise DiffError(f"{path}: unknown edit kind {edit.kind!r}; expected unified or search_replace")
     return result
+
+
+def workspace_files(workspace: Path | None, recipe: Recipe) -> dict[str, str]:
+    """The files an agent may edit, as they are now: the incumbent recipe and the workspace's plugins (what
+    its diff is made against, and what the judge's applies gate applies it to)."""
+    files = {RECIPE_FILE: recipe.to_toml()}
+    plugin_dir = Path(workspace) / "plugins" if workspace is not None else None
+    if plugin_dir is not None and plugin_dir.is_dir():
+        for plugin in sorted(plugin_dir.glob("*.py")):
+            files[f"plugins/{plugin.name}"] = plugin.read_text()
+    return files

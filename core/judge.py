@@ -21,8 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from core import progress
-from core.agents.base import PLUGIN_GLOB, RECIPE_FILE, workspace_files
-from core.agents.diffs import AllowList, DiffError, apply_edits, parse_agent_output
+from core.diffs import PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, parse_agent_output, workspace_files
 from core.deployment import Deployment
 from core.events import GATES
 from core.executors import Device, Executor
@@ -31,27 +30,49 @@ from core.mechanisms import UnknownMechanism, check_recipe
 from core.recipe import Recipe, RecipeError
 from core.stats import Comparison, Noise, compare, noise, speedups
 from core.workers import (KEEP, SECRET_ENV, START_LIMIT_S, Bound, JudgeRequest, Worker, WorkerBase, WorkerError,
-                          WorkerTimeout, kill_workers)
+                          WorkerTimeout)
 
-__all__ = ["Judge", "Verdict", "JudgeRequest", "Worker", "WorkerBase", "WorkerError", "WorkerTimeout", "Bound",
-           "KEEP", "SECRET_ENV", "START_LIMIT_S", "kill_workers", "device_lock", "timing_cpus", "diff_applies"]
+__all__ = ["Judge", "Verdict", "Gate", "Samples", "JudgeRequest", "Worker", "WorkerBase", "WorkerError", "WorkerTimeout", "Bound",
+           "KEEP", "SECRET_ENV", "START_LIMIT_S", "device_lock", "timing_cpus", "diff_applies"]
+
+
+@dataclass(frozen=True)
+class Gate:
+    """One gate's outcome, and the line that says why."""
+
+    passed: bool
+    detail: str
+
+
+@dataclass
+class Samples:
+    """Paired timings of one A/B comparison, request by request (seconds and tokens/s of each side)."""
+
+    rows: list[dict] = field(default_factory=list)
+
+    def ratios(self) -> list[float]:
+        """Per-request speedups of the candidate side over the incumbent side."""
+        return speedups([s["incumbent_tps"] for s in self.rows], [s["candidate_tps"] for s in self.rows])
+
+    def __len__(self) -> int:
+        return len(self.rows)
 
 
 @dataclass
 class Verdict:
-    gates: dict[str, dict] = field(default_factory=dict)
+    gates: dict[str, Gate] = field(default_factory=dict)
     forcing: dict | None = None
     tuning: Comparison | None = None
     heldout: Comparison | None = None
-    samples: dict[str, list[dict]] = field(default_factory=dict)
+    samples: dict[str, Samples] = field(default_factory=dict)
 
     @property
     def passed(self) -> bool:
-        return all(g["passed"] for g in self.gates.values()) and "heldout" in self.gates
+        return all(g.passed for g in self.gates.values()) and "heldout" in self.gates
 
     @property
     def reason(self) -> str:
-        failed = next((f"{name}: {g['detail']}" for name, g in self.gates.items() if not g["passed"]), None)
+        failed = next((f"{name}: {g.detail}" for name, g in self.gates.items() if not g.passed), None)
         return failed or "passed every gate"
 
 
@@ -87,7 +108,7 @@ class Trial:
     inc_ready: bool = False
 
     def gate(self, name: str, passed: bool, detail: str) -> bool:
-        self.verdict.gates[name] = {"passed": passed, "detail": detail}
+        self.verdict.gates[name] = Gate(passed, detail)
         if self.on_gate:
             self.on_gate(name, passed, detail)
         return passed
@@ -202,17 +223,17 @@ class Judge:
                 if versus_ar:
                     with progress.step("stock vs AR"):
                         _, ar_samples = self._ab(self._bound(slot, None), fresh, versus_ar)
-                    vs_ar = self._compare(_ratios(ar_samples))
+                    vs_ar = self._compare(ar_samples.ratios())
             finally:
                 fresh.close()
         with self._forcing:
             stock_forcing = self.force([r for r, _ in stock_outputs], [t for _, t in stock_outputs], stock)
         self.stock_rate = stock_forcing["rate"]
         return {"noise_floor": self.floor, "aa_bias": self.noise.bias, "aa_spread": self.noise.spread,
-                "aa_samples": samples, "stock_forcing": stock_forcing,
+                "aa_samples": samples.rows, "stock_forcing": stock_forcing,
                 "incumbent_vs_ar": vs_ar}
 
-    def calibrate_noise(self, incumbent: Recipe) -> list[dict]:
+    def calibrate_noise(self, incumbent: Recipe) -> Samples:
         """Only the A/A half of `calibrate`: the floor and spread for `incumbent`, and the paired samples."""
         with self._slot() as slot:
             (fresh,) = self._start(slot, [(incumbent, None)], baseline=True)
@@ -221,13 +242,13 @@ class Judge:
             finally:
                 fresh.close()
 
-    def _aa(self, slot: Slot, incumbent: Recipe, fresh: WorkerBase) -> list[dict]:
+    def _aa(self, slot: Slot, incumbent: Recipe, fresh: WorkerBase) -> Samples:
         """The incumbent on the baseline worker against `fresh`, over the tuning requests repeated until
         there are `aa_samples` pairs; sets the run's noise and floor."""
         repeats = max(1, -(-self.aa_samples // max(1, len(self.tuning))))
         with progress.step("A/A noise floor"):
             _, samples = self._ab(self._bound(slot, incumbent), fresh, self.tuning * repeats)
-        self.noise = noise(_ratios(samples))
+        self.noise = noise(samples.ratios())
         self.floor = self.noise.floor
         return samples
 
@@ -257,13 +278,12 @@ class Judge:
         return timings, outputs
 
     def _ab(self, incumbent: WorkerBase | Bound, candidate: WorkerBase | Bound,
-            requests: list[JudgeRequest]) -> tuple[list[Pair], list[dict]]:
+            requests: list[JudgeRequest]) -> tuple[list[Pair], Samples]:
         """Incumbent against candidate, request by request: the candidate's outputs and the paired samples."""
         (inc, cand), (_, outputs) = self._rotate([incumbent, candidate], requests)
-        samples = [{"request": req.id, "incumbent_s": a["seconds"], "candidate_s": b["seconds"],
-                    "incumbent_tps": a["tps"], "candidate_tps": b["tps"]}
-                   for req, a, b in zip(requests, inc, cand)]
-        return outputs, samples
+        return outputs, Samples([{"request": req.id, "incumbent_s": a["seconds"], "candidate_s": b["seconds"],
+                                  "incumbent_tps": a["tps"], "candidate_tps": b["tps"]}
+                                 for req, a, b in zip(requests, inc, cand)])
 
     def _forced(self, outputs: list[Pair], recipe: Recipe) -> dict:
         """The judge's own token forcing of a candidate's outputs; outputs it cannot even score fail."""
@@ -381,7 +401,7 @@ class Judge:
         if not check["passed"]:
             why = check.get("error") or f"mismatch rate {check['rate']:.4f} vs threshold {check['threshold']:.4f}"
             return t.gate(split, False, f"the outputs timed on {split} requests fail token forcing ({why})")
-        result = self._compare(_ratios(samples))
+        result = self._compare(samples.ratios())
         setattr(t.verdict, split, result)
         if t.on_evaluation:
             t.on_evaluation(split, result)
@@ -409,7 +429,7 @@ class Judge:
                 _, samples = self._ab(self._bound(slot, baseline), fresh, requests)
             finally:
                 fresh.close()
-        return self._compare(_ratios(samples))
+        return self._compare(samples.ratios())
 
     def standing(self, recipe: Recipe, stock: Recipe, requests: list[JudgeRequest],
                  workspace: str | Path | None = None) -> tuple[Comparison, Comparison]:
@@ -434,14 +454,9 @@ class Judge:
         return compare(ratios, self.floor, self.seed, self.noise.spread)
 
 
-def _ratios(samples: list[dict]) -> list[float]:
-    """Per-request speedups of the candidate side over the incumbent side of paired samples."""
-    return speedups([s["incumbent_tps"] for s in samples], [s["candidate_tps"] for s in samples])
-
-
 def diff_applies(diff: str, recipe: Recipe, incumbent: Recipe, workspace: str | Path | None,
                  incumbent_workspace: str | Path | None) -> str:
-    """The applies gate's check: `diff`, applied strictly (core/agents/diffs.py) to a clean copy of what the
+    """The applies gate's check: `diff`, applied strictly (core/diffs.py) to a clean copy of what the
     agent was given (the incumbent's recipe and plugins), makes exactly `recipe` and exactly the plugin
     files in `workspace`, so what is judged is what people were shown. Raises DiffError saying what differs;
     returns a one-line summary."""

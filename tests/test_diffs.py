@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from core.agents.diffs import (
+from core.diffs import (
     AllowList, DiffError, FileEdit, apply_edits, apply_search_replace, apply_unified_diff, make_unified_diff,
     parse_agent_output,
 )

@@ -156,7 +156,7 @@ def test_ray_devices_must_be_a_count(setting):
 # -- the applies gate: the diff, applied to a clean workspace, makes what is judged ---------------------
 
 def test_applies_gate_checks_the_diff_against_a_clean_workspace(setting, tmp_path):
-    from core.agents.diffs import DiffError, make_unified_diff
+    from core.diffs import DiffError, make_unified_diff
 
     stock = builtin("stock")
     new = stock.replace(tree={"policy": "plugin:fast_clock"})
@@ -174,8 +174,8 @@ def test_applies_gate_checks_the_diff_against_a_clean_workspace(setting, tmp_pat
     stale = diff.replace('policy = "chain"', 'policy = "static"')  # made against another recipe
     verdict = judge.evaluate(new, stock, ws, diff=stale)
     gate = verdict.gates["applies"]
-    assert list(verdict.gates) == ["applies"] and not gate["passed"]
-    assert gate["detail"].startswith("diff did not apply: recipe.toml: hunk 1: context and removed lines not found")
+    assert list(verdict.gates) == ["applies"] and not gate.passed
+    assert gate.detail.startswith("diff did not apply: recipe.toml: hunk 1: context and removed lines not found")
     assert judge.slots[0].baseline is None  # refused before any worker started
 
 
@@ -206,7 +206,7 @@ def test_local_devices_judge_two_candidates_at_once_each_pinned_to_its_core(sett
     assert {d for _, d, _ in started} == {f"cpu:{cores[0]}", f"cpu:{cores[1]}"}  # one candidate per device
     assert sorted(map(tuple, pinned.values())) == [(cores[0],), (cores[1],)]
     for v in (va, vb):  # both lossless, both timed
-        assert v.gates["forcing"]["passed"] and v.forcing["mismatches"] == 0 and "tuning" in v.gates
+        assert v.gates["forcing"].passed and v.forcing["mismatches"] == 0 and "tuning" in v.gates
 
 
 # -- ray: a real local cluster --------------------------------------------------------------------------
@@ -257,13 +257,13 @@ def test_ray_judges_in_parallel_keeps_the_guarantees_and_survives_a_killed_actor
         killed, timed = in_parallel(lambda: judge.evaluate(doomed, stock, on_gate=kill_after_smoke),
                                     lambda: judge.evaluate(clocked, stock, ws, on_gate=look_at_clocked))
         assert {d for _, d, _ in started} == {"ray:0", "ray:1"}  # each A/B on its own device
-        gate, detail = next((g, r["detail"]) for g, r in killed.gates.items() if not r["passed"])
+        gate, detail = next((g, r.detail) for g, r in killed.gates.items() if not r.passed)
         assert gate == "forcing" and "the Ray actor running this worker died" in detail, detail
-        assert timed.gates["smoke"]["passed"] and timed.gates["forcing"]["passed"] and "tuning" in timed.gates
-        for s in timed.samples["tuning"]:  # the judge's clock, around each call: not the frozen one
+        assert timed.gates["smoke"].passed and timed.gates["forcing"].passed and "tuning" in timed.gates
+        for s in timed.samples["tuning"].rows:  # the judge's clock, around each call: not the frozen one
             assert s["candidate_s"] > 1e-3
         after = judge.evaluate(doomed, stock)  # the run goes on, on both devices
-        assert after.gates["forcing"]["passed"] and after.forcing["mismatches"] == 0
+        assert after.gates["forcing"].passed and after.forcing["mismatches"] == 0
     actor, worker = pids["clocked"]
     environ = Path(f"/proc/{actor}/environ").read_bytes() if alive(actor) else b""
     assert SECRET.encode() not in environ
@@ -341,17 +341,17 @@ def verdicts(judge: Judge, trials: list, parallel: bool) -> list[dict]:
     """What the store keeps of each verdict that no clock decides: gates, forcing, the tuning requests timed."""
     jobs = [lambda t=t: judge.evaluate(*t[0], **t[1]) for t in trials]
     out = in_parallel(*jobs) if parallel else [job() for job in jobs]
-    return [{"gates": {g: r["passed"] for g, r in v.gates.items() if g in CLOCK_FREE},
-             "details": {g: r["detail"] for g, r in v.gates.items() if g in CLOCK_FREE},
+    return [{"gates": {g: r.passed for g, r in v.gates.items() if g in CLOCK_FREE},
+             "details": {g: r.detail for g, r in v.gates.items() if g in CLOCK_FREE},
              "forcing": {k: v.forcing.get(k) for k in ("tokens", "mismatches", "rate", "near_ties", "passed")},
-             "tuning": [x["request"] for x in v.samples["tuning"]]}  # held-out is timed if tuning passes
+             "tuning": [x["request"] for x in v.samples["tuning"].rows]}  # held-out is timed if tuning passes
             for v in out]
 
 
 def test_ray_stores_the_same_verdicts_as_the_local_executor(setting, cluster, monkeypatch):
     """The same candidates (a recipe, and a plugin with its diff), the same seed: one after the other on the
     local executor, at the same time on Ray's two devices; the same gates, forcing results and requests."""
-    from core.agents.diffs import make_unified_diff
+    from core.diffs import make_unified_diff
 
     root, _, deployment, _, _ = setting
     stock = builtin("stock")

@@ -109,7 +109,7 @@ def assert_no_candidate_code_imported(*workspaces: Path) -> None:
 
 
 def failed_gate(verdict) -> tuple[str, str]:
-    return next((g, r["detail"]) for g, r in verdict.gates.items() if not r["passed"])
+    return next((g, r.detail) for g, r in verdict.gates.items() if not r.passed)
 
 
 def test_lossy_verification_fails_forcing(setting, judge, started):
@@ -148,8 +148,8 @@ def test_patched_clocks_do_not_change_the_judges_timing(setting, judge):
     ws = workspace(setting, "fast_clock")
     stock = builtin("stock")
     verdict = judge.evaluate(stock.replace(tree={"policy": "plugin:fast_clock"}), stock, ws)
-    assert verdict.gates["forcing"]["passed"]
-    samples = verdict.samples["tuning"]
+    assert verdict.gates["forcing"].passed
+    samples = verdict.samples["tuning"].rows
     for s in samples:  # real seconds, measured by the judge around each round trip
         assert s["candidate_s"] > 1e-3
     assert 0.33 < verdict.tuning.speedup < 3.0, samples  # the stock chain: as fast as stock, not infinitely
@@ -170,10 +170,10 @@ def test_drafter_plugin_freezing_the_clock_does_not_change_the_judges_timing(set
     ws = workspace(setting, "clock_drafter")
     stock = builtin("stock")
     verdict = judge.evaluate(stock.replace(draft={"method": "plugin:clock_drafter"}), stock, ws)
-    assert verdict.gates["forcing"]["passed"]
-    for s in verdict.samples["tuning"]:
+    assert verdict.gates["forcing"].passed
+    for s in verdict.samples["tuning"].rows:
         assert s["candidate_s"] > 1e-3
-    assert 0.33 < verdict.tuning.speedup < 3.0, verdict.samples["tuning"]  # the stock drafter, as fast as stock
+    assert 0.33 < verdict.tuning.speedup < 3.0, verdict.samples["tuning"].rows  # the stock drafter, as fast as stock
     assert_no_candidate_code_imported(ws)
 
 
@@ -211,10 +211,10 @@ def test_fake_stats_are_ignored(setting, judge, monkeypatch):
     stock = builtin("stock")
     verdict = judge.evaluate(stock.replace(tree={"policy": "plugin:fake_stats"}), stock, ws)
     assert max(a for r in replies for a in r.get("accepted", [0])) == 1000  # the lie reached the judge...
-    assert verdict.gates["forcing"]["passed"]  # its tokens are right: only its stats lie
+    assert verdict.gates["forcing"].passed  # its tokens are right: only its stats lie
     gate, detail = failed_gate(verdict)
     assert gate == "tuning" and verdict.tuning.speedup < 0.8, detail  # ...and changed nothing
-    for s in verdict.samples["tuning"]:
+    for s in verdict.samples["tuning"].rows:
         assert s["candidate_s"] > 0.09  # the 0.1 s it really sleeps per request, whatever it reports
         assert set(s) == {"request", "incumbent_s", "candidate_s", "incumbent_tps", "candidate_tps"}
     assert_no_candidate_code_imported(ws)

@@ -9,7 +9,7 @@ import pytest
 
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.claude import ClaudeAgent, MissingAPIKey
-from core.agents.diffs import apply_unified_diff
+from core.diffs import apply_unified_diff
 from core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, MemoryAgent, RuntimeAgent,
                                TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent, _nodes)
 from core.agents.registry import directions, local_agents_for, make_agents, parse_agents

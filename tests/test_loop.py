@@ -189,7 +189,7 @@ def test_bad_store_files_give_one_line_and_stay_unchanged(mini, tmp_path, capsys
 @pytest.mark.parametrize("path", ["../../x.py", "core/judge.py", "/etc/passwd", "plugins/../x.py",
                                   "plugins/sub/x.py", "plugins/x.txt", "recipe.toml", "plugins\\x.py"])
 def test_candidate_files_outside_the_allow_list_are_refused(path):
-    from core.agents.diffs import DiffError
+    from core.diffs import DiffError
     from core.loop import checked_files
 
     with pytest.raises(DiffError, match="outside the allow-list"):

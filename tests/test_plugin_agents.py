@@ -12,7 +12,7 @@ import pytest
 
 import mini_deployment
 from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.diffs import apply_unified_diff
+from core.diffs import apply_unified_diff
 from core.agents.local import (KNOB_AGENTS, AdaptiveLengthAgent, HybridDrafterAgent, MemoryAgent, _ngram_runs,
                                adaptive_depth)
 from core.agents.registry import local_agents_for, uncovered

@@ -14,8 +14,6 @@ from core.mechanisms import interfaces_doc
 from core.recipe import Recipe
 
 CANDIDATE_KINDS = ("recipe", "plugin", "recipe+plugin")
-RECIPE_FILE = "recipe.toml"
-PLUGIN_GLOB = "plugins/*.py"
 
 PLUGIN_INTERFACES_DOC = interfaces_doc()  # generated from the mechanism registry: one source
 
@@ -61,17 +59,6 @@ class AgentFailure:
 
     agent: str
     reason: str
-
-
-def workspace_files(workspace: Path | None, recipe: Recipe) -> dict[str, str]:
-    """The files an agent may edit, as they are now: the incumbent recipe and the workspace's plugins (what
-    its diff is made against, and what the judge's applies gate applies it to)."""
-    files = {RECIPE_FILE: recipe.to_toml()}
-    plugin_dir = Path(workspace) / "plugins" if workspace is not None else None
-    if plugin_dir is not None and plugin_dir.is_dir():
-        for plugin in sorted(plugin_dir.glob("*.py")):
-            files[f"plugins/{plugin.name}"] = plugin.read_text()
-    return files
 
 
 class Agent(Protocol):

@@ -14,10 +14,9 @@ from typing import Any, Callable
 
 import anthropic
 
-from core.agents.base import (
-    PLUGIN_GLOB, PLUGIN_INTERFACES_DOC, RECIPE_FILE, AgentContext, AgentFailure, Candidate, workspace_files,
-)
-from core.agents.diffs import AllowList, DiffError, apply_edits, make_unified_diff, parse_agent_output
+from core.agents.base import PLUGIN_INTERFACES_DOC, AgentContext, AgentFailure, Candidate
+from core.diffs import (PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, make_unified_diff,
+                        parse_agent_output, workspace_files)
 from core.memory import rejection_line
 from core.recipe import Recipe, RecipeError
 from core.store.redact import KEY_ENV, redact, redact_text

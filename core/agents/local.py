@@ -12,8 +12,8 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.agents.base import RECIPE_FILE, AgentContext, AgentFailure, Candidate
-from core.agents.diffs import make_unified_diff
+from core.agents.base import AgentContext, AgentFailure, Candidate
+from core.diffs import RECIPE_FILE, make_unified_diff
 from core.deployment import Deployment
 from core.engine.tree import static_prefixes
 from core.memory import apply_fragment, applicable, effect_of, rejection_line, rejection_of, remembered_plugins

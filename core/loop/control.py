@@ -12,6 +12,7 @@ from core import progress
 from core.events import AwaitingDecision, Decided, DecisionRefused, Notice, Progress, StateChanged
 from core.loop.record import EventLog
 from core.recipe import Recipe
+from core.workers import kill_workers
 
 PROGRESS_EVERY_S = 1.0  # a long step's progress is stored at most this often (and at its start and end)
 
@@ -100,6 +101,11 @@ class Control:
                 step = self._step.name if self._step is not None else self._current
                 self.log(Notice(f"{why}: stopping {step} (workers are killed)"))
         self.stop()
+
+    def kill_workers(self) -> int:
+        """Kill the loop's workers now, whatever step they are in (a dashboard leaving without waiting for
+        the step to end); returns how many there were."""
+        return kill_workers()
 
     @property
     def waiting_for(self) -> str:

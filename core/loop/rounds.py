@@ -309,7 +309,7 @@ class Loop(Control):
     def _judge_one(self, judge: Judge, cid: str, out: Any, incumbent: Recipe, inc_ws,
                    round_id: int) -> Pending | None:
         from core.agents.base import AgentFailure
-        from core.agents.diffs import DiffError
+        from core.diffs import DiffError
 
         self._checkpoint()
         if self._stop:
@@ -346,8 +346,8 @@ class Loop(Control):
         for split, samples in verdict.samples.items():
             comp = getattr(verdict, split)  # None when the split's outputs failed forcing: no speedup
             self.store.add_evaluation(cid, split, {**(comp.to_dict() if comp else {"passed": False}),
-                                                   "samples": samples})
-        failed = next((g for g, r in verdict.gates.items() if not r["passed"]), None)
+                                                   "samples": samples.rows})
+        failed = next((g for g, r in verdict.gates.items() if not r.passed), None)
         return Pending(cid, out.recipe, verdict.passed, failed, verdict, out)
 
     def _integrate(self, judge: Judge, approved: list[Pending], incumbent: Recipe, inc_ws):
@@ -411,7 +411,7 @@ class Loop(Control):
         v = p.verdict
         held = v.heldout
         return {"cid": p.cid, "agent": p.candidate.agent, "title": p.candidate.title,
-                "gates": {g: r["passed"] for g, r in v.gates.items()},
+                "gates": {g: r.passed for g, r in v.gates.items()},
                 "verdict": "win" if p.passed else "fail", "reason": v.reason, "decision": p.decision,
                 "predicted_speedup": p.candidate.predicted_speedup,
                 "heldout_speedup": held.speedup if held else None,

@@ -5,13 +5,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from core.diffs import PLUGIN_GLOB, AllowList, DiffError, checked_path
+
 
 def checked_files(files: dict | None) -> dict[str, str]:
     """A candidate's plugin files, each path checked against the allow-list (plugins/<name>.py inside the
     workspace) by the same check diffs go through; raises DiffError naming the first path refused."""
-    from core.agents.base import PLUGIN_GLOB
-    from core.agents.diffs import AllowList, DiffError, checked_path
-
     allow = AllowList((PLUGIN_GLOB,))
     out: dict[str, str] = {}
     for rel, text in (files or {}).items():
