@@ -59,11 +59,18 @@ def db_path(args: argparse.Namespace) -> str:
 def _recipes(spec: str | None, deployment=None, db: str | None = None) -> list:
     """Recipes named on the command line: built-ins, .toml files, and `best` (the newest incumbent the loop
     stored for this deployment in the store)."""
-    from core.recipe import resolve
+    from core.recipe import RecipeError, resolve
 
     has_drafter = deployment is None or deployment.drafter is not None
     names = [s.strip() for s in (spec or "").split(",") if s.strip()]
-    return [best_recipe(deployment, db) if n == "best" else resolve(n, has_drafter) for n in names]
+    recipes = [best_recipe(deployment, db) if n == "best" else resolve(n, has_drafter) for n in names]
+    seen: dict[str, str] = {}
+    for given, recipe in zip(names, recipes):  # a bench keys its systems by name: a second one would vanish
+        if recipe.name in seen:
+            raise RecipeError(f"--recipes: {seen[recipe.name]} and {given} are both named {recipe.name!r}; "
+                              f"set a different `name` in one of them")
+        seen[recipe.name] = given
+    return recipes
 
 
 def best_recipe(deployment, db: str | None):

@@ -102,3 +102,17 @@ def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
     assert all("model 1:" in c and ("early_exit:" in c) == ("+" not in c) for c in drafters)
     assert sum(line.endswith("<- largest") for line in lines) == 1
     assert any(line.startswith("predicted ngram: ") for line in lines)
+
+
+def test_bench_refuses_two_recipes_of_one_name(tmp_path):
+    """A bench keys its systems by recipe name: a second recipe of the same name would silently replace the
+    first in the table, so it is refused before anything runs."""
+    from core.recipe import builtin
+
+    dup = tmp_path / "stock-budget.toml"
+    dup.write_text(builtin("stock").replace(batching={"policy": "budget"}).to_toml())  # still named "stock"
+    out = subprocess.run([sys.executable, "-m", "core.cli", "bench", "--recipes", f"stock,{dup}",
+                          "--max-requests", "1", "--repeats", "1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.strip().count("\n") == 0
+    assert f"stock and {dup} are both named 'stock'" in out.stderr
