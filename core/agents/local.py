@@ -181,7 +181,7 @@ class TreeShapeAgent(LocalAgent):
             say(f"best {budget}-node tree (depth {o.recipe.tree.depth}): {o.accepted:.2f} tokens/step, "
                 f"predicted {o.predicted:.0f} tok/s ({pct(o.predicted, base.predicted)})")
             options.append(o)
-        one, wide = tools.verify_ms(1), tools.verify_ms(33)
+        one, wide = max(tools.verify_ms(1), 1e-9), tools.verify_ms(33)
         flat = wide <= KNEE * one
         say(f"verify curve: 33 tokens cost {wide / one:.2f}x one" + (
             f" (<= {KNEE:.2f}x: flat, so wider and deeper trees and deeper chains are worth pricing)" if flat else ""))
