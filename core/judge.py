@@ -32,7 +32,7 @@ from core.stats import Comparison, Noise, compare, noise, speedups
 from core.workers import (KEEP, SECRET_ENV, START_LIMIT_S, Bound, JudgeRequest, Worker, WorkerBase, WorkerError,
                           WorkerTimeout)
 
-__all__ = ["Judge", "Verdict", "Gate", "Samples", "JudgeRequest", "Worker", "WorkerBase", "WorkerError", "WorkerTimeout", "Bound",
+__all__ = ["Judge", "Verdict", "Gate", "Samples", "Forcing", "JudgeRequest", "Worker", "WorkerBase", "WorkerError", "WorkerTimeout", "Bound",
            "KEEP", "SECRET_ENV", "START_LIMIT_S", "device_lock", "timing_cpus", "diff_applies"]
 
 
@@ -58,10 +58,31 @@ class Samples:
         return len(self.rows)
 
 
+@dataclass(frozen=True)
+class Forcing:
+    """The judge's token forcing of one set of outputs: passed when the mismatch rate is within the threshold.
+    `error` says why outputs could not be scored (then rate is 1 and the counts None); `record` is everything
+    the forcer reported, as the store keeps it."""
+
+    passed: bool
+    rate: float
+    threshold: float
+    tokens: int | None = None
+    mismatches: int | None = None
+    near_ties: int | None = None
+    error: str | None = None
+    record: dict = field(default_factory=dict)
+
+    @property
+    def why(self) -> str:
+        """The gate's one line: the error, or the rate against the threshold."""
+        return self.error or f"mismatch rate {self.rate:.4f} vs threshold {self.threshold:.4f}"
+
+
 @dataclass
 class Verdict:
     gates: dict[str, Gate] = field(default_factory=dict)
-    forcing: dict | None = None
+    forcing: Forcing | None = None
     tuning: Comparison | None = None
     heldout: Comparison | None = None
     samples: dict[str, Samples] = field(default_factory=dict)
@@ -98,7 +119,7 @@ class Trial:
     workspace: str | Path | None
     incumbent_workspace: str | Path | None
     on_gate: GateHook | None = None
-    on_forcing: Callable[[dict], None] | None = None
+    on_forcing: Callable[[Forcing], None] | None = None
     on_evaluation: Callable[[str, Comparison], None] | None = None
     diff: str | None = None
     verdict: Verdict = field(default_factory=Verdict)
@@ -285,21 +306,26 @@ class Judge:
                                   "incumbent_tps": a["tps"], "candidate_tps": b["tps"]}
                                  for req, a, b in zip(requests, inc, cand)])
 
-    def _forced(self, outputs: list[Pair], recipe: Recipe) -> dict:
+    def _forced(self, outputs: list[Pair], recipe: Recipe) -> Forcing:
         """The judge's own token forcing of a candidate's outputs; outputs it cannot even score fail."""
         requests = [r for r, _ in outputs]
         try:
             with self._forcing:
                 result = dict(self.force(requests, [t for _, t in outputs], recipe))
         except Exception as exc:  # e.g. token ids outside the vocabulary, or a rule forcing cannot check
-            return {"tokens": sum(r.max_new_tokens for r in requests), "mismatches": None, "rate": 1.0,
-                    "near_ties": None, "threshold": self.threshold, "passed": False,
-                    "error": f"forcing could not score the outputs: {type(exc).__name__}: {exc}"[:500]}
-        return {**result, "threshold": self.threshold, "passed": result["rate"] <= self.threshold}
+            error = f"forcing could not score the outputs: {type(exc).__name__}: {exc}"[:500]
+            tokens = sum(r.max_new_tokens for r in requests)
+            record = {"tokens": tokens, "mismatches": None, "rate": 1.0, "near_ties": None,
+                      "threshold": self.threshold, "passed": False, "error": error}
+            return Forcing(False, 1.0, self.threshold, tokens, error=error, record=record)
+        passed = result["rate"] <= self.threshold
+        record = {**result, "threshold": self.threshold, "passed": passed}
+        return Forcing(passed, result["rate"], self.threshold, result.get("tokens"), result.get("mismatches"),
+                       result.get("near_ties"), None, record)
 
     def evaluate(self, recipe: Recipe, incumbent: Recipe, workspace: str | Path | None = None,
                  incumbent_workspace: str | Path | None = None, on_gate: GateHook | None = None,
-                 on_forcing: Callable[[dict], None] | None = None,
+                 on_forcing: Callable[[Forcing], None] | None = None,
                  on_evaluation: Callable[[str, Comparison], None] | None = None, diff: str | None = None) -> Verdict:
         """Run the gates for `recipe` against `incumbent` on a free device; stops at the first failed gate.
         With `diff` (the candidate's, as shown to people), the applies gate checks that it makes exactly this
@@ -372,8 +398,7 @@ class Judge:
         t.verdict.forcing = forcing
         if t.on_forcing:
             t.on_forcing(forcing)
-        return t.gate("forcing", forcing["passed"], forcing.get("error") or
-                      f"mismatch rate {forcing['rate']:.4f} vs threshold {forcing['threshold']:.4f}")
+        return t.gate("forcing", forcing.passed, forcing.why)
 
     def _tuning(self, t: Trial) -> bool:
         """Faster than the incumbent on the tuning requests, beyond the noise floor."""
@@ -398,9 +423,8 @@ class Judge:
             timed_outputs, samples = self._ab(incumbent_side, t.cand, requests)
         t.verdict.samples[split] = samples
         check = self._forced(timed_outputs, t.recipe)
-        if not check["passed"]:
-            why = check.get("error") or f"mismatch rate {check['rate']:.4f} vs threshold {check['threshold']:.4f}"
-            return t.gate(split, False, f"the outputs timed on {split} requests fail token forcing ({why})")
+        if not check.passed:
+            return t.gate(split, False, f"the outputs timed on {split} requests fail token forcing ({check.why})")
         result = self._compare(samples.ratios())
         setattr(t.verdict, split, result)
         if t.on_evaluation:

@@ -155,7 +155,8 @@ def forcing_failure() -> ev.Forced:
     judge = Judge(Deployment(), [], [], force)
     request = JudgeRequest("r0", 0, [1, 2, 3], 8)
     result = judge._forced([(request, [70000] * 8)], stock())
-    return ev.Forced.from_result("1-r1-c2", result)
+    assert result.error and not result.passed and result.why == result.error
+    return ev.Forced.from_result("1-r1-c2", result.record)
 
 
 def test_a_forcing_failure_shows_its_error_on_screen() -> None:

@@ -206,7 +206,7 @@ def test_local_devices_judge_two_candidates_at_once_each_pinned_to_its_core(sett
     assert {d for _, d, _ in started} == {f"cpu:{cores[0]}", f"cpu:{cores[1]}"}  # one candidate per device
     assert sorted(map(tuple, pinned.values())) == [(cores[0],), (cores[1],)]
     for v in (va, vb):  # both lossless, both timed
-        assert v.gates["forcing"].passed and v.forcing["mismatches"] == 0 and "tuning" in v.gates
+        assert v.gates["forcing"].passed and v.forcing.mismatches == 0 and "tuning" in v.gates
 
 
 # -- ray: a real local cluster --------------------------------------------------------------------------
@@ -263,7 +263,7 @@ def test_ray_judges_in_parallel_keeps_the_guarantees_and_survives_a_killed_actor
         for s in timed.samples["tuning"].rows:  # the judge's clock, around each call: not the frozen one
             assert s["candidate_s"] > 1e-3
         after = judge.evaluate(doomed, stock)  # the run goes on, on both devices
-        assert after.gates["forcing"].passed and after.forcing["mismatches"] == 0
+        assert after.gates["forcing"].passed and after.forcing.mismatches == 0
     actor, worker = pids["clocked"]
     environ = Path(f"/proc/{actor}/environ").read_bytes() if alive(actor) else b""
     assert SECRET.encode() not in environ
@@ -343,7 +343,7 @@ def verdicts(judge: Judge, trials: list, parallel: bool) -> list[dict]:
     out = in_parallel(*jobs) if parallel else [job() for job in jobs]
     return [{"gates": {g: r.passed for g, r in v.gates.items() if g in CLOCK_FREE},
              "details": {g: r.detail for g, r in v.gates.items() if g in CLOCK_FREE},
-             "forcing": {k: v.forcing.get(k) for k in ("tokens", "mismatches", "rate", "near_ties", "passed")},
+             "forcing": {k: v.forcing.record.get(k) for k in ("tokens", "mismatches", "rate", "near_ties", "passed")},
              "tuning": [x["request"] for x in v.samples["tuning"].rows]}  # held-out is timed if tuning passes
             for v in out]
 

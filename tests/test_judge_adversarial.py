@@ -119,7 +119,7 @@ def test_lossy_verification_fails_forcing(setting, judge, started):
     assert ctx.force(ctx.tuning, changed, lossy)["rate"] > 0.05  # precondition: it changes the output here
     verdict = judge.evaluate(lossy, stock, workspace=workspace(setting, "lossy_top2"))
     assert failed_gate(verdict)[0] == "forcing"
-    assert verdict.forcing["rate"] > verdict.forcing["threshold"]
+    assert verdict.forcing.rate > verdict.forcing.threshold
     assert "tuning" not in verdict.gates and not verdict.passed
     assert [w.alive for w in started] == [False]  # the candidate's worker, closed; the baseline stays
 

@@ -17,7 +17,7 @@ from core import progress
 from core.events import (AgentChunk, AgentDone, AgentStarted, CandidateFailed, CandidateProposed, Emit, Error,
                          Evaluated, Forced, GateChecked, Gaps, NewIncumbent, Notice, RoundFinished, RoundStarted,
                          RunFinished, RunStarted)
-from core.judge import Judge
+from core.judge import Forcing, Judge
 from core.loop.config import LoopConfig, default_workdir
 from core.loop.control import Control, Pending
 from core.loop.workspace import Workspace
@@ -333,9 +333,9 @@ class Loop(Control):
             self.store.set_gate(cid, gate, passed, detail)
             self.log(GateChecked(cid, gate, passed, detail))
 
-        def on_forcing(result: dict, cid: str = cid) -> None:
-            self.store.add_forcing(cid, result)
-            self.log(Forced.from_result(cid, result))
+        def on_forcing(result: Forcing, cid: str = cid) -> None:
+            self.store.add_forcing(cid, result.record)
+            self.log(Forced.from_result(cid, result.record))
 
         def on_evaluation(split: str, result, cid: str = cid) -> None:
             self.log(Evaluated(cid, split, result.speedup, result.low, result.high, result.passed))
@@ -416,7 +416,7 @@ class Loop(Control):
                 "predicted_speedup": p.candidate.predicted_speedup,
                 "heldout_speedup": held.speedup if held else None,
                 "interval": [held.low, held.high] if held else None,
-                "forcing_rate": v.forcing["rate"] if v.forcing else None}
+                "forcing_rate": v.forcing.rate if v.forcing else None}
 
 
 def _idle_reason(results: list[tuple[str, Any]]) -> str | None:
