@@ -213,7 +213,8 @@ class Policy:
 @dataclass
 class Event:
     """What one scheduler step did for one request: the tokens it emitted (EOS included, nothing past the
-    request's limit) and, once it is done, why: "stop" (EOS), "length" (max_new_tokens) or "abort"."""
+    request's limit) and, once it is done, why: "stop" (EOS) or "length" (max_new_tokens). An aborted request
+    gets no event: `abort` ends it at once, in the caller's hands."""
 
     id: int
     tokens: list[int]
