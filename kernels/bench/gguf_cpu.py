@@ -18,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.gguf_blocks import GGUFMatrix, isa, library, linear_tensors
+from kernels.cpu.gguf_blocks import GGUFMatrix, isa, linear_tensors
 from kernels.cpu.skinny import SkinnyUnavailable
 from kernels.reference.gguf_ref import UnsupportedBlockType
 
@@ -51,14 +51,14 @@ def _part_fn(m: GGUFMatrix, part: int):
 
 
 def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | None = None, fp32: bool = True,
-                parts: bool = False) -> dict[int, dict[str, float]]:
+                parts: bool = False, mats: list[tuple[str, GGUFMatrix]] | None = None) -> dict[int, dict[str, float]]:
     """ms of one pass over every linear of a GGUF checkpoint with `rows` input rows: this kernel ("gguf"),
     (fp32) torch F.linear on float32 copies and (parts) each part of the kernel's work alone, median of
     `repeats`; "<name> cpu" is the process CPU time of the pass divided by the threads (on a shared machine
     wall time includes waiting). Every repeat times every row count and system in turn, so a slow spell of
     the machine falls on all of them: "gguf vs 1 row" is the median over repeats of each pass against that
-    repeat's 1-row pass."""
-    mats = linear_tensors(path)
+    repeat's 1-row pass. `mats`: the file's linear_tensors, when the caller has them already."""
+    mats = mats if mats is not None else linear_tensors(path)
     t = threads or torch.get_num_threads()
     torch.set_num_threads(t)
     for _, m in mats:
@@ -104,13 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
     try:
+        mats = linear_tensors(args.bench)
         result = bench_model(args.bench, [int(r) for r in args.rows.split(",")], args.repeats, threads,
-                             not args.no_fp32, args.parts)
+                             not args.no_fp32, args.parts, mats)
         path = isa()
     except (FileNotFoundError, SkinnyUnavailable, UnsupportedBlockType) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    mats = linear_tensors(args.bench)
     gb = sum(m.nbytes for _, m in mats) / 1e9
     bandwidth = copy_gb_s(threads)
     floor = gb / bandwidth * 1e3
