@@ -52,6 +52,30 @@ def loop_options(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of a running Ray cluster's head (default: start a local one)")
 
 
+def serve_options(p: argparse.ArgumentParser) -> None:
+    """`specpilot serve`'s options (vLLM's names where they exist)."""
+    deployment_options(p)
+    p.add_argument("--recipe", default="best",
+                   help="best (the newest stored incumbent for this deployment), a run id, a built-in name, a .toml "
+                        "file, `ar` (plain decoding) or `ar+RECIPE` (plain decoding on that recipe's weights)")
+    p.add_argument("--db", default=None, help="store for --recipe best or RUN (default: $SPECPILOT_DB or ./store.db)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-batch", type=int, default=8, help="requests decoded together (cache rows)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="prompt + new tokens of one request (default: the model's context, at most 4096)")
+    p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the target's)")
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
+    p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from core.server.main import run
+
+    return run(args)
+
+
 def db_path(args: argparse.Namespace) -> str:
     return args.db or os.environ.get("SPECPILOT_DB") or "store.db"
 
@@ -75,29 +99,66 @@ def _recipes(spec: str | None, deployment=None, db: str | None = None) -> list:
 
 def best_recipe(deployment, db: str | None):
     """The final incumbent of the newest run on this deployment (same fingerprint) that finished a round."""
-    from core.deployment import Deployment
-    from core.recipe import Recipe
+    store, run_id = best_run(deployment, db)
+    return _incumbent(store, run_id).replace(name="best")
+
+
+def best_run(deployment, db: str | None):
+    """The store and the id of the newest run on this deployment that finished a round."""
+    store, path = _open_store(db, "best")
+    mine = deployment.fingerprint()
+    for run in store.list_runs():
+        if _same_deployment(run, mine) and _finished_rounds(store, run["id"]):
+            return store, run["id"]
+    raise FileNotFoundError(f"best: {path} holds no finished round for this deployment "
+                            f"({deployment.describe()}); run `specpilot run` on it first")
+
+
+def run_incumbent(run_id: int, deployment, db: str | None):
+    """Run `run_id`'s final incumbent, refused in one line if the run was on another deployment."""
+    store, path = _open_store(db, f"run {run_id}")
+    run = store.run(run_id)
+    if run is None:
+        raise FileNotFoundError(f"run {run_id} is not in {path}; see `specpilot runs`")
+    if deployment is not None and not _same_deployment(run, deployment.fingerprint()):
+        raise RecipeError(f"run {run_id} tuned another deployment than {deployment.describe()} (its fingerprint "
+                          "differs); pass that run's --target and --drafter, or pick a run of this deployment")
+    if not _finished_rounds(store, run_id):
+        raise FileNotFoundError(f"run {run_id} has no finished round in {path}")
+    return _incumbent(store, run_id)
+
+
+def _open_store(db: str | None, what: str):
     from core.store import Store
 
     path = db or os.environ.get("SPECPILOT_DB") or "store.db"
     if not Path(path).is_file():
-        raise FileNotFoundError(f"--recipes best: no store at {path}; run `specpilot run` on this deployment first "
+        raise FileNotFoundError(f"{what}: no store at {path}; run `specpilot run` on this deployment first "
                                 "or pass --db PATH")
-    store = Store(path)
-    mine = deployment.fingerprint()
-    for run in store.list_runs():
-        try:
-            same = Deployment(**run["deployment"]).fingerprint() == mine
-        except (TypeError, ValueError, OSError):
-            same = False
-        rounds = [r for r in store.list_rounds(run["id"]) if r.get("incumbent")] if same else []
-        if rounds:
-            incumbent = rounds[-1]["incumbent"]
-            recipe = Recipe.from_toml(incumbent["recipe"], source=f"run {run['id']}")
-            _load_plugins(recipe, incumbent.get("workspace"), run["id"])
-            return recipe.replace(name="best")
-    raise FileNotFoundError(f"--recipes best: {path} holds no finished round for this deployment "
-                            f"({deployment.describe()}); run `specpilot run` on it first")
+    return Store(path, read_only=True), path
+
+
+def _same_deployment(run: dict, fingerprint: str) -> bool:
+    from core.deployment import Deployment
+
+    try:
+        return Deployment(**run["deployment"]).fingerprint() == fingerprint
+    except (TypeError, ValueError, OSError):
+        return False
+
+
+def _finished_rounds(store, run_id: int) -> list[dict]:
+    return [r for r in store.list_rounds(run_id) if r.get("incumbent")]
+
+
+def _incumbent(store, run_id: int):
+    """The last finished round's incumbent recipe, with the run's plugins registered."""
+    from core.recipe import Recipe
+
+    last = _finished_rounds(store, run_id)[-1]
+    recipe = Recipe.from_toml(last["incumbent"]["recipe"], source=f"run {run_id}")
+    _load_plugins(recipe, last["incumbent"].get("workspace"), run_id)
+    return recipe
 
 
 def _load_plugins(recipe, workspace: str | None, run_id: int) -> None:
@@ -256,15 +317,39 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from core.recipe import Recipe
+    """A run's final incumbent (or `best`: the newest for this deployment) as a TOML recipe and/or as the
+    nearest configuration of another engine, with what that engine cannot express."""
+    from core.deployment import Deployment
+    from core.export import export
 
-    store = _store(args)
-    rounds = [r for r in store.list_rounds(args.run) if r.get("incumbent")]
-    if not rounds:
-        raise FileNotFoundError(f"run {args.run} has no finished round in {db_path(args)}")
-    recipe = Recipe.from_toml(rounds[-1]["incumbent"]["recipe"], source=f"run {args.run}")
-    recipe.save(args.recipe)
-    print(f"wrote {args.recipe} (incumbent of run {args.run}, round {rounds[-1]['index']})")
+    if not (args.recipe or args.to or args.nearest):
+        raise ValueError("export: say what to write: --recipe OUT.toml, --to ENGINE, or --nearest OUT.toml")
+    store, path = _open_store(args.db, "export")
+    if args.run == "best":
+        deployment = Deployment.from_args(args)
+        _, run_id = best_run(deployment, path)
+        recipe = _incumbent(store, run_id)
+    elif args.run.isdigit():
+        run_id = int(args.run)
+        run = store.run(run_id)
+        if run is None:
+            raise FileNotFoundError(f"run {run_id} is not in {path}; see `specpilot runs`")
+        deployment = Deployment(**run["deployment"])
+        recipe = run_incumbent(run_id, deployment, path)
+    else:
+        raise ValueError(f"export: {args.run!r} is neither a run id nor `best`; see `specpilot runs`")
+    history = [r["incumbent"] for r in _finished_rounds(store, run_id)]
+    if args.recipe:
+        recipe.save(args.recipe)
+        print(f"wrote {args.recipe} (incumbent of run {run_id}, round {len(history)})", file=sys.stderr)
+    if args.to or args.nearest:
+        out = export(recipe, args.to or "transformers", deployment.target, deployment.drafter, history,
+                     deployment.target_source or None, deployment.drafter_source or None)
+        if args.nearest:
+            out.nearest.save(args.nearest)
+            print(f"wrote {args.nearest} (the nearest recipe other engines express)", file=sys.stderr)
+        if args.to:
+            print(json.dumps(out.to_dict(), indent=2) if args.json else out.text())
     return 0
 
 
@@ -319,11 +404,20 @@ def build_parser() -> argparse.ArgumentParser:
     sh.add_argument("--json", action="store_true")
     sh.set_defaults(func=cmd_show)
 
-    ex = sub.add_parser("export", help="write a run's final incumbent recipe")
-    ex.add_argument("run", type=int)
-    ex.add_argument("--recipe", required=True, help="output TOML path")
+    ex = sub.add_parser("export", help="a run's final incumbent as a recipe file or another engine's flags")
+    ex.add_argument("run", help="run id, or `best` (the newest incumbent for --target/--drafter)")
+    deployment_options(ex)
+    ex.add_argument("--recipe", default=None, help="write the incumbent as a TOML recipe here")
+    ex.add_argument("--to", default=None, choices=["vllm", "sglang", "llama.cpp", "transformers"],
+                    help="print the nearest configuration this engine can express, and what it gives up")
+    ex.add_argument("--nearest", default=None, metavar="TOML", help="write that nearest recipe (to bench it)")
+    ex.add_argument("--json", action="store_true")
     ex.add_argument("--db", default=None)
     ex.set_defaults(func=cmd_export)
+
+    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on a recipe")
+    serve_options(sv)
+    sv.set_defaults(func=cmd_serve)
 
     td = sub.add_parser("train-demo", help="retrain the shipped demo pair (scripts/train_demo.py)")
     td.add_argument("rest", nargs=argparse.REMAINDER)

@@ -232,3 +232,77 @@ def test_scheduler_refuses_what_its_context_cannot_hold(setup):
     with pytest.raises(GenerationError, match="max_new_tokens >= 1"):
         sched.add([1, 2], 0)
     assert sched.idle()
+
+
+def test_greedy_and_seeded_requests_share_steps_and_each_equals_its_own_ar(setup):
+    """Rows verifying differently in one step (greedy, and seeded at two temperatures and seeds): each
+    request's tokens are exactly its own single-request AR output under its own rule."""
+    from core.engine.decode import Verification, generate
+    from core.recipe import builtin
+
+    engine, prompts, limits, reference, _ = setup
+    sched = engine.scheduler(builtin("stock"), max_batch=4, max_len=64)
+    vers = [Verification("greedy"), Verification("seeded", 0.7, 0.9, 3), Verification("greedy"),
+            Verification("seeded", 1.2, 1.0, 8)]
+    picks = [3, 1, 5, 6]
+    ids = {sched.add(prompts[k], limits[k], seed_id=k, verification=v): i for i, (k, v) in enumerate(zip(picks, vers))}
+    out: dict[int, list[int]] = {i: [] for i in range(4)}
+    mixed_steps = 0
+    while not sched.idle():
+        mixed_steps += len({sched.requests[r].ver for r in sched.rows}) > 1
+        for ev in sched.step():
+            out[ids[ev.id]].extend(ev.tokens)
+    assert mixed_steps > 0
+    for i, (k, v) in enumerate(zip(picks, vers)):
+        ar = generate(engine.target, None, [prompts[k]], limits[k], None, v, [k]).tokens[0]
+        assert out[i] == ar
+        if v.sampling == "greedy":
+            assert ar == reference[k]
+    assert out[1] != reference[1] or out[3] != reference[6]  # the sampled ones really sampled
+
+
+def test_a_request_whose_prefill_fails_ends_alone(setup, monkeypatch):
+    from core.recipe import builtin
+
+    engine, prompts, limits, reference, _ = setup
+    sched = engine.scheduler(builtin("stock"), max_batch=3, max_len=64)
+    poison = prompts[4]
+    real = type(engine.target).prefill_row
+
+    def prefill(self, cache, row, tokens):
+        if list(tokens) == poison[:-1]:
+            raise RuntimeError("out of memory (injected)")
+        return real(self, cache, row, tokens)
+
+    monkeypatch.setattr(type(engine.target), "prefill_row", prefill)
+    ids = {sched.add(prompts[k], limits[k], seed_id=k): k for k in (3, 4, 5)}
+    out: dict[int, list[int]] = {3: [], 5: []}
+    errors = []
+    while not sched.idle():
+        for ev in sched.step():
+            if ev.finish == "error":
+                errors.append((ids[ev.id], ev.error))
+            else:
+                out[ids[ev.id]].extend(ev.tokens)
+    assert errors == [(4, "RuntimeError: out of memory (injected)")]
+    assert out == {3: reference[3], 5: reference[5]}
+
+
+def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(setup, monkeypatch):
+    from core.engine import serve as serve_mod
+    from core.recipe import builtin
+
+    engine, prompts, limits, reference, _ = setup
+    sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=64)
+    a, b = sched.add(prompts[3], limits[3], seed_id=3), sched.add(prompts[5], limits[5], seed_id=5)
+    sched.step()
+    real = serve_mod.step
+    monkeypatch.setattr(serve_mod, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    events = sched.step()
+    assert {(ev.id, ev.finish) for ev in events} == {(a, "error"), (b, "error")} and sched.idle()
+    monkeypatch.setattr(serve_mod, "step", real)
+    c = sched.add(prompts[6], limits[6], seed_id=6)
+    out = []
+    while not sched.idle():
+        out += [t for ev in sched.step() if ev.id == c for t in ev.tokens]
+    assert out == reference[6]

@@ -67,7 +67,7 @@ class GenerateResult:
         }
 
 
-@dataclass
+@dataclass(frozen=True)
 class Verification:
     sampling: str = "greedy"
     temperature: float = 1.0

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine.decode import (GenerateResult, GenerationError, StepStats, Verification, _truncate, sync,
-                                cache_room, drafter_room, step)
+from core.engine.decode import (AcceptanceRule, GenerateResult, GenerationError, StepStats, Verification,
+                                _truncate, cache_room, drafter_room, step, sync)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import KVCache, Transformer
 from core.engine.tree import DraftTree, chain_paths
@@ -213,12 +213,14 @@ class Policy:
 @dataclass
 class Event:
     """What one scheduler step did for one request: the tokens it emitted (EOS included, nothing past the
-    request's limit) and, once it is done, why: "stop" (EOS) or "length" (max_new_tokens). An aborted request
-    gets no event: `abort` ends it at once, in the caller's hands."""
+    request's limit) and, once it is done, why: "stop" (EOS), "length" (max_new_tokens) or "error" (the
+    engine failed on it; `error` says how, and the request is gone). An aborted request gets no event:
+    `abort` ends it at once, in the caller's hands."""
 
     id: int
     tokens: list[int]
     finish: str | None = None
+    error: str | None = None
 
 
 @dataclass
@@ -226,7 +228,31 @@ class _Request:
     prompt: list[int]
     limit: int
     seed_id: int  # the id seeded sampling draws with (a request's tokens depend on it, never on its row)
+    ver: Verification
     out: list[int] = field(default_factory=list)
+
+
+def mixed_rule(vers: list[Verification]) -> AcceptanceRule:
+    """One acceptance rule for a step whose rows verify differently (greedy beside seeded at its own
+    temperature, top_p and seed): each group of rows gets its own rule's choices from the same forward.
+    Drafting stays in the scheduler's mode for every row: a draft only proposes, so a row whose draft was
+    ranked greedily and verified seeded still emits exactly its seeded tokens."""
+    rules = {v: lookup("acceptance", v.sampling) for v in set(vers)}
+    accepts = {r.accept for r in rules.values()}
+    if len(accepts) != 1:
+        raise GenerationError("requests in flight use acceptance rules that walk trees differently; serve them "
+                              "from separate schedulers")
+
+    def choices(logits: torch.Tensor, trees: list, ver: Verification, req: torch.Tensor, lengths: list[int]) -> list:
+        out: list = [None] * len(trees)
+        for v, rule in rules.items():
+            rows = [b for b, w in enumerate(vers) if w == v]
+            picked = rule.choices(logits[rows], [trees[b] for b in rows], v, req[rows], [lengths[b] for b in rows])
+            for b, c in zip(rows, picked):
+                out[b] = c
+        return out
+
+    return AcceptanceRule(choices, accepts.pop(), batched=True)
 
 
 class Scheduler:
@@ -254,8 +280,9 @@ class Scheduler:
         room = self.max_len + cache_room(nodes)
         self.eos = set(target.cfg.eos_token_ids)
         self.cache = target.new_cache(max_batch, room)
+        self._drafter_room = room + drafter_room(nodes)
         if self.drafter is not None:
-            self.drafter.open(max_batch, room + drafter_room(nodes))
+            self.drafter.open(max_batch, self._drafter_room)
         self.queue: list[int] = []
         self.requests: dict[int, _Request] = {}
         self.rows: list[int] = []  # request id per cache row, rows packed from 0
@@ -266,8 +293,14 @@ class Scheduler:
         self._next_id = 0
         self._chain_specs: dict[int, TreeSpec] = {}
 
-    def add(self, prompt: list[int], max_new_tokens: int, seed_id: int | None = None) -> int:
-        """Queue a request; returns its id. A prompt that does not fit with its new tokens is refused."""
+    def add(self, prompt: list[int], max_new_tokens: int, seed_id: int | None = None,
+            verification: Verification | None = None) -> int:
+        """Queue a request; returns its id. A prompt that does not fit with its new tokens is refused.
+        `verification` (default the scheduler's) lets one request sample seeded at its own temperature,
+        top_p and seed beside greedy ones: only batched rules (greedy, seeded) are served."""
+        ver = verification or self.ver
+        if not lookup("acceptance", ver.sampling).batched:
+            raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
         if not prompt or max_new_tokens < 1:
             raise GenerationError("a request needs a non-empty prompt and max_new_tokens >= 1")
         if len(prompt) + max_new_tokens > self.max_len:
@@ -275,7 +308,7 @@ class Scheduler:
                                   f"the context of {self.max_len} tokens; shorten the prompt or lower max_new_tokens")
         rid = self._next_id
         self._next_id += 1
-        self.requests[rid] = _Request(list(prompt), max_new_tokens, rid if seed_id is None else seed_id)
+        self.requests[rid] = _Request(list(prompt), max_new_tokens, rid if seed_id is None else seed_id, ver)
         self.queue.append(rid)
         return rid
 
@@ -302,14 +335,35 @@ class Scheduler:
         return not self.rows and not self.queue
 
     def step(self) -> list[Event]:
-        """Admit what fits, then one step over every row: each request's new tokens, and those that ended."""
+        """Admit what fits, then one step over every row: each request's new tokens, and those that ended.
+        A request whose prefill fails ends with an "error" event alone; a failed step ends every request in
+        flight that way (their caches are no longer trustworthy) and the scheduler serves on."""
         t0 = time.perf_counter()
+        failed: list[Event] = []
         with torch.inference_mode():
             while self.queue and len(self.rows) < self.max_batch:
-                self._admit(self.queue.pop(0))
+                rid = self.queue.pop(0)
+                try:
+                    self._admit(rid)
+                except Exception as exc:  # one request's failure must not stop the others
+                    del self.requests[rid]
+                    failed.append(Event(rid, [], "error", f"{type(exc).__name__}: {exc}"))
             if not self.rows:
-                return []
-            return self._step(t0)
+                return failed
+            try:
+                return failed + self._step(t0)
+            except Exception as exc:
+                return failed + self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _fail_all(self, why: str) -> list[Event]:
+        events = [Event(rid, [], "error", why) for rid in self.rows]
+        for rid in self.rows:
+            del self.requests[rid]
+        for lst in (self.rows, self.lengths, self.roots, self.alphas):
+            lst.clear()
+        if self.drafter is not None:
+            self.drafter.open(self.max_batch, self._drafter_room)
+        return events
 
     def _admit(self, rid: int) -> None:
         prompt = self.requests[rid].prompt
@@ -337,8 +391,9 @@ class Scheduler:
                                                             req_ids), [True] * n)
             return trees if depths is None else [_truncate(t, d) for t, d in zip(trees, depths)]
 
-        taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, self.rule, req_ids,
-                     self.lengths, None)
+        vers = [self.requests[r].ver for r in self.rows]
+        rule = self.rule if all(v == ver for v in vers) else mixed_rule(vers)
+        taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, rule, req_ids, self.lengths, None)
         events, done = [], []
         for b in range(n):
             self.roots[b] = taken.emitted[b][-1]
@@ -409,5 +464,7 @@ def drive(sched: Scheduler, prompts: list[list[int]], limits: list[int],
     outputs: list[list[int]] = [[] for _ in prompts]
     while not sched.idle():
         for ev in sched.step():
+            if ev.error:
+                raise GenerationError(f"request {ids[order[ev.id]]}: {ev.error}")
             outputs[order[ev.id]].extend(ev.tokens)
     return GenerateResult(outputs, sched.steps, time.perf_counter() - start)

@@ -1,0 +1,163 @@
+"""The engine thread: the one place the scheduler runs, fed by the HTTP layer through a queue.
+
+HTTP handlers never touch the scheduler. They `submit` a job (refused with 429 when the bounded queue is
+full, so memory never grows with load) and read its tokens from an asyncio queue the engine thread fills
+through the event loop's thread-safe call; `cancel` aborts a job between steps and frees its row. The engine
+thread alone adds, steps and aborts, so the scheduler needs no lock, and a request's tokens do not depend on
+what else is in flight.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from typing import Callable
+
+from core.engine.decode import GenerationError
+from core.engine.serve import Scheduler
+from core.server.metrics import Metrics
+from core.server.protocol import ApiError, Job
+
+SHUTDOWN = "the server is shutting down and this request did not finish within its grace period"
+
+
+class EngineLoop:
+    """Runs `scheduler` on a daemon thread; `capacity` bounds the jobs accepted and not yet ended."""
+
+    def __init__(self, scheduler: Scheduler, metrics: Metrics, max_queue: int,
+                 on_error: Callable[[str], None] = lambda line: None) -> None:
+        self.sched, self.metrics, self.on_error = scheduler, metrics, on_error
+        self.capacity = scheduler.max_batch + max_queue
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+        self.outstanding = 0
+        self.jobs: dict[int, Job] = {}  # engine id -> job, touched by the engine thread only
+        self.last: dict[int, float] = {}  # engine id -> when its previous tokens came
+        self.thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
+        self.failure: BaseException | None = None
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job for the engine, or refuse it with 429 and Retry-After when the queue is full."""
+        with self.lock:
+            if self.outstanding >= self.capacity:
+                raise ApiError(429, f"the server has {self.outstanding} requests in flight or queued (its limit is "
+                               f"{self.capacity}); retry shortly", kind="rate_limit_exceeded",
+                               code="rate_limit_exceeded", headers={"Retry-After": "1"})
+            self.outstanding += 1
+        self.inbox.put(("add", job))
+
+    def cancel(self, job: Job) -> None:
+        """Abort a job (a client gone, a stop string met); its row is free before the next step."""
+        self.inbox.put(("abort", job))
+
+    def abort_all(self, why: str = SHUTDOWN) -> None:
+        self.inbox.put(("abort_all", why))
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self.inbox.put(("stop", None))
+        self.thread.join(timeout)
+
+    def _end(self, job: Job, finish: str | None, error: str | None = None) -> None:
+        if job.done:
+            return
+        job.done = True
+        if job.engine_id is not None:
+            self.jobs.pop(job.engine_id, None)
+            self.last.pop(job.engine_id, None)
+        with self.lock:
+            self.outstanding -= 1
+        self.metrics.finished.labels(finish or "abort").inc()
+        if finish is not None:
+            self._deliver(job, [], finish, error)
+
+    @staticmethod
+    def _deliver(job: Job, tokens: list[int], finish: str | None, error: str | None) -> None:
+        if job.loop is None or job.events is None:
+            return
+        try:
+            job.loop.call_soon_threadsafe(job.events.put_nowait, (tokens, finish, error))
+        except RuntimeError:  # the HTTP loop has closed: nobody is listening any more
+            pass
+
+    def _command(self, cmd: str, arg) -> bool:
+        """Apply one inbox command; False on stop."""
+        if cmd == "add":
+            job: Job = arg
+            try:
+                job.engine_id = self.sched.add(job.prompt, job.max_tokens, job.seed_id, job.ver)
+            except GenerationError as exc:
+                self._end(job, "error", str(exc))
+                return True
+            self.jobs[job.engine_id] = job
+            self.metrics.prompt_tokens.inc(len(job.prompt))
+        elif cmd == "abort":
+            job = arg
+            if not job.done and job.engine_id is not None:
+                self.sched.abort(job.engine_id)
+                self._end(job, None)
+        elif cmd == "abort_all":
+            for job in list(self.jobs.values()):
+                self.sched.abort(job.engine_id)
+                self._end(job, "error", arg)
+        elif cmd == "stop":
+            return False
+        return True
+
+    def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # the engine itself broke: fail every job rather than hang its client
+            self.failure = exc
+            self.on_error(f"engine thread stopped: {type(exc).__name__}: {exc}")
+            for job in list(self.jobs.values()):
+                self._end(job, "error", f"the engine stopped: {exc}")
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                cmd, arg = self.inbox.get(timeout=0.2) if self.sched.idle() else self.inbox.get_nowait()
+            except queue.Empty:
+                cmd = None
+            while cmd is not None:
+                if not self._command(cmd, arg):
+                    return
+                try:
+                    cmd, arg = self.inbox.get_nowait()
+                except queue.Empty:
+                    cmd = None
+            if not self.sched.idle():
+                self._step()
+            self.metrics.queue.set(self.sched.waiting)
+            self.metrics.running.set(self.sched.in_flight)
+
+    def _step(self) -> None:
+        events = self.sched.step()
+        now = time.perf_counter()
+        for stats in self.sched.steps:
+            for gained in stats.accepted:
+                self.metrics.accepted.observe(gained)
+        self.sched.steps.clear()  # a server runs for days: keep no per-step history
+        for ev in events:
+            job = self.jobs.get(ev.id)
+            if job is None:
+                continue
+            if ev.error:
+                self.on_error(f"request {job.rid} failed in the engine: {ev.error}")
+                self._end(job, "error", ev.error)
+                continue
+            if ev.tokens:
+                self.metrics.generation_tokens.inc(len(ev.tokens))
+                before = self.last.get(ev.id)
+                if before is None:
+                    self.metrics.ttft.observe(now - job.arrived)
+                else:
+                    for _ in ev.tokens:
+                        self.metrics.itl.observe((now - before) / len(ev.tokens))
+                self.last[ev.id] = now
+            self._deliver(job, ev.tokens, None, None)
+            if ev.finish:
+                self._end(job, ev.finish)

@@ -1,0 +1,132 @@
+"""`specpilot serve`: load a deployment and a stored recipe, start the engine thread, serve HTTP on uvicorn.
+
+Shutdown drains: the first SIGTERM or SIGINT turns new requests away with 503 while the requests in flight
+finish, for at most `--grace` seconds; what is still running then ends with an error event, and the process
+exits 0. A second signal exits at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import time
+from pathlib import Path
+
+import uvicorn
+
+from core.engine.decode import Verification
+from core.engine.memory import require
+from core.recipe import Recipe, RecipeError
+
+log = logging.getLogger("specpilot.serve")
+
+
+def resolve_recipe(spec: str, deployment, db: str | None) -> tuple[Recipe | None, bool]:
+    """The recipe to serve and whether to speculate with it: `best` (the newest stored incumbent of this
+    deployment), a run id (its final incumbent; refused if that run was on another deployment), a built-in
+    name, a .toml file, `ar` (plain decoding on the float32 weights) or `ar+RECIPE` (plain decoding on that
+    recipe's weights and linear backend, what the recipe's speculation is measured against)."""
+    from core.cli import _recipes, run_incumbent
+
+    if spec == "ar":
+        return None, False
+    if spec.startswith("ar+"):
+        return resolve_recipe(spec[3:], deployment, db)[0], False
+    if spec.isdigit():
+        return run_incumbent(int(spec), deployment, db), True
+    return _recipes(spec, deployment, db)[0], True
+
+
+def kv_bytes(model, rows: int, length: int) -> int:
+    """Bytes of a KV cache of `rows` x `length` positions for `model`."""
+    c = model.cfg
+    return 2 * model.num_layers * rows * c.num_kv_heads * length * c.head_dim * model.dtype.itemsize
+
+
+def build(args: argparse.Namespace):
+    """Everything `serve` runs, built before the port opens: a bad option is a one-line error, not a server
+    that answers 500 to everything."""
+    from transformers import AutoTokenizer
+
+    from core.deployment import Deployment
+    from core.engine import Engine
+    from core.server.app import ServerState, build_app
+    from core.server.engine_loop import EngineLoop
+    from core.server.metrics import Metrics
+
+    deployment = Deployment.from_args(args).validate()
+    deployment.apply_threads()
+    recipe, speculative = resolve_recipe(args.recipe, deployment, args.db)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    target = engine.target if recipe is None else engine.models_for(recipe)[0]
+    ctx = target.cfg.max_position_embeddings
+    context = min(args.max_model_len or min(ctx, 4096), ctx)
+    rows = args.max_batch
+    need = kv_bytes(target, rows, context + 64)
+    if speculative and engine.drafter_model is not None:
+        need += kv_bytes(engine.drafter_model, rows, context + 64)
+    require(need, f"a KV cache of {rows} rows x {context} tokens", "lower --max-batch or --max-model-len")
+    if recipe is not None and recipe.verify.sampling != "greedy":  # sampled requests are verified seeded
+        default = Verification("seeded", recipe.verify.temperature, recipe.verify.top_p, recipe.verify.seed)
+        recipe = recipe.replace(verify={"sampling": "greedy"})
+    else:
+        default = Verification("greedy")
+    sched = engine.scheduler(recipe, rows, context, speculative=speculative)
+    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
+    name = args.served_model_name or Path(deployment.target_source or deployment.target).name
+    metrics = Metrics()
+    loop = EngineLoop(sched, metrics, args.max_queue, on_error=log.error)
+    label = ("ar" if recipe is None else f"ar+{recipe.name}") if not speculative else recipe.name
+    state = ServerState(loop, tokenizer, (name,), context, default, set(target.cfg.eos_token_ids),
+                        target.cfg.vocab_size, metrics, args.api_key,
+                        info={"recipe": label, "deployment": deployment.describe()})
+    return build_app(state), state, label, deployment
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until a signal; exit 0 after draining."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    app, state, label, deployment = build(args)
+    state.engine.start()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
+                            lifespan="off")
+    server = DrainingServer(config, state, args.grace)
+    log.info("serving %s with recipe %s on http://%s:%d (max batch %d, queue %d)", deployment.describe(), label,
+             args.host, args.port, args.max_batch, args.max_queue)
+    print(f"specpilot serve: ready on http://{args.host}:{args.port}/v1 ({label})", file=sys.stderr, flush=True)
+    server.run()
+    state.engine.stop()
+    log.info("stopped")
+    return 0
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server with a drain on the first signal: 503 to new requests, in-flight ones finish within
+    `grace` seconds, then a normal shutdown."""
+
+    def __init__(self, config, state, grace: float) -> None:
+        super().__init__(config)
+        self.state, self.grace = state, grace
+        self.deadline: float | None = None
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self.deadline is not None:
+            super().handle_exit(sig, frame)
+            self.force_exit = True
+            return
+        self.state.draining = True
+        self.deadline = time.monotonic() + self.grace
+        log.info("%s: draining %d requests (at most %.0f s)", signal.Signals(sig).name,
+                 self.state.engine.outstanding, self.grace)
+
+    async def on_tick(self, counter: int) -> bool:
+        if self.deadline is not None and not self.should_exit:
+            if self.state.engine.outstanding == 0:
+                self.should_exit = True
+            elif time.monotonic() > self.deadline:
+                log.warning("grace period over: ending %d requests", self.state.engine.outstanding)
+                self.state.engine.abort_all()
+                self.deadline = float("inf")
+        return await super().on_tick(counter)

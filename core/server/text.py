@@ -1,0 +1,54 @@
+"""Tokens to text as they arrive: incremental detokenisation and stop strings.
+
+A token may end inside a multi-byte character, so text is released only once its decoding no longer ends in
+U+FFFD; and text that could be the start of a stop string is held back until the next tokens settle it. The
+stop string itself is never sent (OpenAI's behaviour), and the request ends there.
+"""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"
+
+
+class TextStream:
+    """The text of one request's generated tokens, released chunk by chunk."""
+
+    def __init__(self, tokenizer, stop: list[str], eos: set[int]) -> None:
+        self.tokenizer, self.stop, self.eos = tokenizer, stop, eos
+        self.tokens: list[int] = []
+        self.sent = 0  # characters of the decoded text already released
+        self.stopped = False
+
+    def _text(self) -> str:
+        return self.tokenizer.decode([t for t in self.tokens if t not in self.eos], skip_special_tokens=True)
+
+    def feed(self, tokens: list[int], final: bool) -> str:
+        """Add tokens; returns the text now safe to release (all of it when `final`). Once a stop string
+        appears, `stopped` is set, the text before it is the last released, and later calls release nothing."""
+        if self.stopped:
+            return ""
+        self.tokens.extend(tokens)
+        text = self._text()
+        end = self._stop_at(text)
+        if end is not None:
+            self.stopped = True
+        else:
+            end = len(text)
+            if not final:
+                end = self._held(text, len(text.rstrip(REPLACEMENT)))
+        chunk = text[self.sent:end] if end > self.sent else ""
+        self.sent = max(self.sent, end)
+        return chunk
+
+    def _stop_at(self, text: str) -> int | None:
+        """Where the earliest stop string begins in text not yet released (held-back text included)."""
+        found = [i for i in (text.find(s, self.sent) for s in self.stop) if i >= 0]
+        return min(found) if found else None
+
+    def _held(self, text: str, end: int) -> int:
+        """Where released text must end so that no stop string can still begin in what follows."""
+        for k in range(min(end, max((len(s) for s in self.stop), default=1) - 1), 0, -1):
+            tail = text[end - k:end]
+            if any(s.startswith(tail) for s in self.stop):
+                return end - k
+        return end
