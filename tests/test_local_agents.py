@@ -11,7 +11,7 @@ from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.claude import ClaudeAgent, MissingAPIKey
 from core.diffs import apply_unified_diff
 from core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, MemoryAgent, RuntimeAgent,
-                               TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent, _nodes)
+                               TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent, draft_nodes)
 from core.agents.registry import directions, local_agents_for, make_agents, parse_agents
 from core.costmodel import trees
 from core.engine.tree import static_prefixes
@@ -44,6 +44,7 @@ class FakeTools:
         self.device = device
         self.batch_size = batch_size
         self.drafters = list(drafters)
+        self.layers = 3  # the target's, as CostTools says: early exits 1 and 2 are below it
         self.weight_ms = weight_ms
         self.launch_ms = launch_ms
         self.backends = {"native": 1.0, "onednn": 0.6} if device == "cpu" else {"native": 1.0}
@@ -161,14 +162,14 @@ def test_tree_shape_goes_wide_and_deep_only_where_the_verify_curve_is_flat(tmp_p
     cand = check_candidate(out, context(tmp_path))
     assert "flat, so wider and deeper trees" in text
     assert "dynamic budget 32 depth 12" in text and "chain depth 12" in text
-    assert cand.recipe.tree.policy in ("dynamic", "static") and _nodes(cand.recipe) >= 16
+    assert cand.recipe.tree.policy in ("dynamic", "static") and draft_nodes(cand.recipe) >= 16
     assert flat.seen[cand.recipe.to_toml()] == max(flat.seen.values())
 
     steep = FakeTools(node_ms=1.0)
     out, text = run(TreeShapeAgent(), context(tmp_path, tools=steep))
     cand = check_candidate(out, context(tmp_path))
     assert "flat" not in text and "chain depth" not in text and "depth 12" not in text
-    assert _nodes(cand.recipe) <= 8
+    assert draft_nodes(cand.recipe) <= 8
 
 
 def test_draft_length_streams_the_sweep(tmp_path: Path) -> None:
@@ -238,9 +239,9 @@ def test_drafter_format_agent_prices_the_measured_formats(tmp_path: Path) -> Non
     out, _ = run(DrafterFormatAgent(), context(tmp_path, recipe=ngram, tools=tools))
     assert isinstance(out, AgentFailure) and "not a drafter model" in out.reason
     report = {"profile": {"drafter_backend_curves": tools.profile.drafter_backend_curves}}
-    assert DrafterFormatAgent.fits_report(report)
+    assert DrafterFormatAgent.applies(report) is None
     flat = {"native": {"model": {1: 1.0}}, "native+q4": {"model": {1: 0.95}}}  # a tiny drafter: no gain
-    assert not DrafterFormatAgent.fits_report({"profile": {"drafter_backend_curves": flat}})
+    assert "no approximate drafter format" in DrafterFormatAgent.applies({"profile": {"drafter_backend_curves": flat}})
 
 
 def test_memory_agent_proposes_remembered_fragments(tmp_path: Path) -> None:

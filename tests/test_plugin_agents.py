@@ -13,8 +13,8 @@ import pytest
 import mini_deployment
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.diffs import apply_unified_diff
-from core.agents.local import (KNOB_AGENTS, AdaptiveLengthAgent, HybridDrafterAgent, MemoryAgent, _ngram_runs,
-                               adaptive_depth)
+from core.agents.local import (KNOB_AGENTS, AdaptiveLengthAgent, HybridDrafterAgent, MemoryAgent, adaptive_depth,
+                               ngram_runs, templates)
 from core.agents.registry import local_agents_for, uncovered
 from core.cli import main
 from core.costmodel.replay import Trace
@@ -27,6 +27,7 @@ class BurstyTools:
     a step's cost grows with draft depth. A fixed depth pays for misses on the hard stretches."""
 
     drafters = ["model", "ngram"]
+    layers = 2
 
     def __init__(self) -> None:
         ranks = []
@@ -81,7 +82,7 @@ def test_ngram_runs_follow_the_engines_ngram_drafter():
     """On a periodic sequence the n-gram chain copies the last period: from the first repeat on, every
     position's chain matches as far as the copied text reaches."""
     tokens = [1, 2, 3, 4] * 3
-    run, walk = _ngram_runs(tokens, 5, 6, 3, 8)
+    run, walk = ngram_runs(tokens, 5, 6, 3, 8)
     assert walk == (4, 6, 11)
     assert run[4] == 4  # [1, 2, 3, 4, 1]: the 1 at 0 was followed by 2, 3, 4, 1, all right
     assert run[7] == 4 and run[10] == 1  # the copy is as long as what followed the match
@@ -180,10 +181,9 @@ def test_hybrid_drafter_plugin_is_lossless_against_the_reference(pair_engine, ti
     from tiny_models import repeating_prompts
 
     from core import forcing
-    from core.agents.local import HYBRID_TEMPLATE
     from core.recipe import Recipe
 
-    source = HYBRID_TEMPLATE.replace("{model_depth}", "3").replace("{name}", "hybrid_test")
+    source = templates.render("hybrid", model_depth=3, name="hybrid_test")
     exec(compile(source, "plugins/hybrid_test.py", "exec"), {})
     recipe = Recipe.from_dict({"draft": {"method": "plugin:hybrid_test"}, "tree": {"depth": 6}})
     prompts, limits = repeating_prompts([6, 11, 4], 101, 1), [24, 17, 20]

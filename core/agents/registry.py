@@ -83,7 +83,7 @@ def _pick(report: dict[str, Any] | None, n: int, with_memory: bool, only: tuple[
           skip: tuple[str, ...] = ()) -> list[type[LocalAgent]]:
     """`only`: the local agents a run may use (by name; None = all); `skip`: ones already tried this round."""
     chosen: list[type[LocalAgent]] = [MemoryAgent] if with_memory else []
-    tiers = [sorted(GAP_AGENTS.get(g["component"], ()), key=lambda c: not _fits(c, report))  # fitting ones first
+    tiers = [sorted(GAP_AGENTS.get(g["component"], ()), key=lambda c: c.applies(report) is not None)  # applying first
              for g in ranked_gaps(report)]
     for tier in range(max((len(t) for t in tiers), default=0)):
         for classes in tiers:
@@ -91,21 +91,8 @@ def _pick(report: dict[str, Any] | None, n: int, with_memory: bool, only: tuple[
                 chosen.append(classes[tier])
     chosen += [c for c in DEFAULT_ORDER if c not in chosen]
     chosen = [c for c in chosen if (only is None or c.default_name in only) and c.default_name not in skip]
-    useful = [c for c in chosen if _fits(c, report)]
+    useful = [c for c in chosen if c.applies(report) is None]
     return (useful + [c for c in chosen if c not in useful])[:n]
-
-
-def _fits(cls: type[LocalAgent], report: dict[str, Any] | None) -> bool:
-    """Whether an agent's mechanism can apply here: CUDA-only ones wait on a CPU (CPU-only ones on a GPU),
-    batching at batch 1."""
-    device = str(((report or {}).get("probe") or {}).get("device", "cpu"))
-    if hasattr(cls, "fits_report"):
-        return cls.fits_report(report)
-    if getattr(cls, "cuda_only", False) and not device.startswith("cuda"):
-        return False
-    if getattr(cls, "cpu_only", False) and device.startswith("cuda"):
-        return False
-    return not (getattr(cls, "needs_batch", False) and int((report or {}).get("batch_size", 1)) <= 1)
 
 
 def local_agents_for(report: dict[str, Any] | None, n: int, memory: list[dict[str, Any]] | None,
@@ -116,7 +103,7 @@ def local_agents_for(report: dict[str, Any] | None, n: int, memory: list[dict[st
     with_memory = bool(applicable(memory or [], incumbent))
     picked = _pick(report, n, with_memory, only, skip)
     if skip:  # a second pass only runs agents whose mechanism applies here
-        picked = [c for c in picked if _fits(c, report)]
+        picked = [c for c in picked if c.applies(report) is None]
     return [cls(seed=seed) for cls in picked]
 
 
@@ -130,7 +117,7 @@ def uncovered(report: dict[str, Any] | None, counts: dict[str, int], only: tuple
         if float(g.get("ms_per_token", 0.0)) <= 0.0:
             continue  # nothing lost there: no agent is needed
         able = [c for c in GAP_AGENTS.get(g["component"], ())
-                if (only is None or c.default_name in only) and _fits(c, report)]
+                if (only is None or c.default_name in only) and c.applies(report) is None]
         if not able or not counts.get("local"):
             out.append(g["component"])
     return out
