@@ -20,7 +20,6 @@ class RunContext:
     tuning: list[JudgeRequest]
     heldout: list[JudgeRequest]
     ar_tokens_per_s: float = 0.0
-    tools: Any = None
     tuning_summary: dict = field(default_factory=dict)
     _tools_factory: Callable | None = None
 
@@ -33,15 +32,17 @@ class RunContext:
         return result.to_dict()
 
     def analyse(self, recipe: Recipe) -> dict:
-        """The round's cost report for the incumbent on the tuning requests; refreshes the agents' tools."""
+        """The round's cost report for the incumbent on the tuning requests."""
         from core.costmodel.report import analyse
 
         prompts = [r.prompt for r in self.tuning]
         limits = [r.max_new_tokens for r in self.tuning]
-        report = analyse(self.engine, _materialised(recipe), prompts, limits, [r.index for r in self.tuning])
-        if self._tools_factory is not None:
-            self.tools = self._tools_factory(report, recipe)
-        return report
+        return analyse(self.engine, _materialised(recipe), prompts, limits, [r.index for r in self.tuning])
+
+    def tools_for(self, report: dict, recipe: Recipe) -> Any:
+        """The cost model agents may ask what a change to `recipe` would do (a CostTools, or None when the
+        cost model cannot be imported); built from that recipe's report, so a new incumbent needs new ones."""
+        return self._tools_factory(report, recipe) if self._tools_factory is not None else None
 
 
 def _materialised(recipe: Recipe) -> Recipe:
