@@ -1,6 +1,7 @@
 """The search loop, in parts: config (what a run is asked to do), control (pause, stop, decisions from
-other threads), record (event persistence), rounds (the algorithm), workspace (candidate files) and
-headless (stderr output). Memory is core/memory.py. This package keeps the names its callers import."""
+other threads), record (event persistence), rounds (the algorithm), summary (the value each round produces,
+and the run's JSON summary built from them), workspace (candidate files) and headless (stderr output).
+Memory is core/memory.py. This package keeps the names its callers import."""
 
 from __future__ import annotations
 

@@ -8,7 +8,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from core.agents.local import DEFAULT_ORDER, KNOB_AGENTS, MemoryAgent
 from core.deployment import Deployment
+from core.store import Store
+from core.store.db import RESUMABLE
 
 
 @dataclass
@@ -58,8 +61,6 @@ def config_from_args(args: argparse.Namespace) -> LoopConfig:
 def parse_local_agents(spec: str | None) -> tuple[str, ...] | None:
     """--local-agents: None (all), 'knobs' (the agents that only set recipe fields), or a comma list of names;
     an unknown name is a ValueError listing the known ones."""
-    from core.agents.local import DEFAULT_ORDER, KNOB_AGENTS, MemoryAgent
-
     if spec is None:
         return None
     if spec.strip() == "knobs":
@@ -75,9 +76,6 @@ def parse_local_agents(spec: str | None) -> tuple[str, ...] | None:
 
 def resumed_config(run_id: int, db: str, auto: bool) -> LoopConfig:
     """The stored run's own deployment and options, to continue it where its last finished round ended."""
-    from core.store import Store
-    from core.store.db import RESUMABLE
-
     if not Path(db).is_file():
         raise FileNotFoundError(f"no store at {db}; pass the --db the run was stored in")
     store = Store(db, read_only=True)
