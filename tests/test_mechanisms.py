@@ -122,8 +122,14 @@ def test_draft_length_plugin_is_lossless_and_drafts_less(pair_engine):
     full = [pair_engine.generate([p], [n], fixed, [i]) for i, (p, n) in enumerate(zip(prompts(), LIMITS))]
     assert [r.tokens for r in short] == [r.tokens for r in full]
     assert sum(s.nodes for r in short for s in r.steps) < sum(s.nodes for r in full for s in r.steps)
-    with pytest.raises(GenerationError, match="set draft.length = 'fixed'"):
-        pair_engine.serve([prompts()[0]], [4], recipe, max_batch=2)
+    # continuous batching caps each row by the same policy: the same tokens, with fewer nodes than fixed depth
+    limits = list(LIMITS)
+    served = pair_engine.serve(prompts(), limits, recipe, max_batch=3, request_ids=list(range(len(limits))))
+    full_served = pair_engine.serve(prompts(), limits, fixed, max_batch=3, request_ids=list(range(len(limits))))
+    assert served.tokens == [r.tokens[0] for r in full] == full_served.tokens
+    assert sum(s.nodes for s in served.steps) < sum(s.nodes for s in full_served.steps)
+    with pytest.raises(GenerationError, match="both set each row's depth"):
+        pair_engine.serve([prompts()[0]], [4], recipe.replace(batching={"policy": "budget"}), max_batch=2)
 
 
 def test_draft_length_plugin_passes_forcing(pair_engine, tiny_pair):

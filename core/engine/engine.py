@@ -202,16 +202,17 @@ class Engine:
             return Scheduler(target, None, None, max_batch=max_batch, max_len=max_len)
         target, _ = self.models_for(recipe)
         b, v = recipe.batching, recipe.verify
-        if recipe.draft.length != "fixed":
+        length = None if recipe.draft.length == "fixed" else lookup("draft_length", recipe.draft.length)
+        if length is not None and b.policy != "fixed":
             from core.engine.decode import GenerationError
 
-            raise GenerationError(f"draft.length = {recipe.draft.length!r} shapes single-request generation; "
-                                  "continuous batching sets depths by batching.policy, so set draft.length = 'fixed'")
+            raise GenerationError(f"draft.length = {recipe.draft.length!r} and batching.policy = {b.policy!r} both "
+                                  "set each row's depth; keep one (draft.length = 'fixed' or batching.policy = 'fixed')")
         if table is None and b.policy != "fixed":
             table = self.cost_table(recipe, [max_batch])
         policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap, target.ragged)
         return Scheduler(target, self.drafter_for(recipe), tree_spec(recipe), policy, max_batch, max_len,
-                         Verification(v.sampling, v.temperature, v.top_p, v.seed))
+                         Verification(v.sampling, v.temperature, v.top_p, v.seed), length)
 
     @property
     def device(self) -> torch.device:

@@ -32,8 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine.decode import (AcceptanceRule, GenerateResult, GenerationError, StepStats, Verification,
-                                _truncate, cache_room, drafter_room, step, sync)
+from core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
+                                Verification, _cap, _truncate, cache_room, drafter_room, step, sync)
 from core.engine.drafters import Drafter, DraftMode, TreeSpec
 from core.engine.model import KVCache, Transformer
 from core.engine.tree import DraftTree, chain_paths
@@ -264,8 +264,9 @@ class Scheduler:
 
     def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
                  policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
-                 verification: Verification | None = None) -> None:
+                 verification: Verification | None = None, draft_length: DraftLength | None = None) -> None:
         self.ver = verification or Verification()
+        self.draft_length = draft_length  # per-row depth caps from recent acceptance, as in generate
         self.rule = lookup("acceptance", self.ver.sampling)
         if not self.rule.batched:
             raise GenerationError(f"continuous batching serves greedy or seeded verification, not "
@@ -289,6 +290,7 @@ class Scheduler:
         self.lengths: list[int] = []
         self.roots: list[int] = []
         self.alphas: list[float] = []
+        self.recent: list[list[int]] = []  # per row: tokens gained in its last steps (the draft-length policy's input)
         self.steps: list[StepStats] = []
         self._next_id = 0
         self._chain_specs: dict[int, TreeSpec] = {}
@@ -359,7 +361,7 @@ class Scheduler:
         events = [Event(rid, [], "error", why) for rid in self.rows]
         for rid in self.rows:
             del self.requests[rid]
-        for lst in (self.rows, self.lengths, self.roots, self.alphas):
+        for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
             lst.clear()
         if self.drafter is not None:
             self.drafter.open(self.max_batch, self._drafter_room)
@@ -374,6 +376,7 @@ class Scheduler:
         self.lengths.append(len(prompt) - 1)
         self.roots.append(prompt[-1])
         self.alphas.append(PRIOR_ACCEPTANCE)
+        self.recent.append([])
 
     def _step(self, t0: float) -> list[Event]:
         n, ver, spec = len(self.rows), self.ver, self.spec
@@ -384,12 +387,15 @@ class Scheduler:
         def draft() -> list[DraftTree]:
             if not self.speculative or (depths is not None and max(depths) == 0):
                 return [DraftTree.root(r) for r in self.roots]
-            step_spec = spec
+            step_spec, caps = spec, depths
             if depths is not None:
                 step_spec = self._chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
+            elif self.draft_length is not None:
+                caps = [_cap(self.draft_length, spec.depth_limit, self.recent[b]) for b in range(n)]
+                step_spec = spec.shortened(max(caps))
             trees = self.drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
                                                             req_ids), [True] * n)
-            return trees if depths is None else [_truncate(t, d) for t, d in zip(trees, depths)]
+            return trees if caps is None else [_truncate(t, d) for t, d in zip(trees, caps)]
 
         vers = [self.requests[r].ver for r in self.rows]
         rule = self.rule if all(v == ver for v in vers) else mixed_rule(vers)
@@ -397,6 +403,7 @@ class Scheduler:
         events, done = [], []
         for b in range(n):
             self.roots[b] = taken.emitted[b][-1]
+            self.recent[b] = (self.recent[b] + [len(taken.emitted[b])])[-16:]
             drafted = max(taken.trees[b].depths)
             if drafted:
                 seen = acceptance_sample(len(taken.paths[b]), drafted)
@@ -428,9 +435,9 @@ class Scheduler:
             self.cache.move_row(last, b)
             if self.drafter is not None:
                 self.drafter.move(last, b)
-            for lst in (self.rows, self.lengths, self.roots, self.alphas):
+            for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
                 lst[b] = lst[last]
-        for lst in (self.rows, self.lengths, self.roots, self.alphas):
+        for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
             lst.pop()
         if self.drafter is not None:
             self.drafter.drop_last()
