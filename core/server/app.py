@@ -60,6 +60,11 @@ def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="specpilot serve", docs_url=None, redoc_url=None, openapi_url=None)
     tok = state.tokenizer
 
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("500 %s", request.url.path)
+        return _error(ApiError(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error"))
+
     def encode_chat(body: dict) -> list[int]:
         if not getattr(tok, "chat_template", None):
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",

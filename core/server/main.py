@@ -73,7 +73,11 @@ def build(args: argparse.Namespace):
         recipe = recipe.replace(verify={"sampling": "greedy"})
     else:
         default = Verification("greedy")
-    sched = engine.scheduler(recipe, rows, context, speculative=speculative)
+    table = None
+    if speculative and recipe.batching.policy != "fixed":  # price steps at the batch sizes a server sees
+        log.info("measuring step costs for batching policy %r", recipe.batching.policy)
+        table = engine.cost_table(recipe, sorted({b for b in (1, 2, 4, 8, 16, rows) if b <= rows}))
+    sched = engine.scheduler(recipe, rows, context, table, speculative=speculative)
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     name = args.served_model_name or Path(deployment.target_source or deployment.target).name
     metrics = Metrics()

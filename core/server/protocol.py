@@ -145,7 +145,12 @@ def parse(body: Any, kind: str, model_names: tuple[str, ...], encode, context: i
         raise ApiError(400, "`stream_options` must be an object", "stream_options")
     stop = _stops(body)
     ver, seed_id = sampling(body, default)
-    prompt_ids = encode(body)
+    try:
+        prompt_ids = encode(body)
+    except ApiError:
+        raise
+    except Exception as exc:  # a chat template that refuses the conversation, a tokenizer error
+        raise ApiError(400, f"the prompt could not be encoded: {exc}", "messages" if kind == "chat" else "prompt")
     room = context - len(prompt_ids)
     if max_tokens is None:
         max_tokens = room
