@@ -6,9 +6,10 @@ step, or runs a SpecPilot plugin. So the export first reduces the recipe to that
 expressible recipe), prints the engine's flags for it, and gives one line per mechanism dropped, with what
 the run measured for the nearest recipe against the found one where the store holds that measurement.
 
-Flags target vLLM 0.11 (`--speculative-config`), SGLang 0.5 (`--speculative-*`), llama.cpp's llama-server
-(b6000 and later: `-md`, `--draft-max`, `--draft-min`, `--draft-p-min`, `--spec-type ngram-simple`) and
-transformers 5 (`generate` kwargs).
+Flags target vLLM 0.11 (`--speculative-config`), SGLang 0.5 (`--speculative-*`), llama.cpp's llama-server at
+commit 0c1e570 (`-md`, `--spec-draft-n-max`, `--spec-draft-n-min`, `--draft-p-min`, `--spec-type ngram-simple`;
+builds before the `--spec-*` rename spell the first two `--draft-max`, `--draft-min`) and transformers 5
+(`generate` kwargs).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from typing import Any
 from core.recipe import Recipe, changed_fields, stock
 
 ENGINES = ("vllm", "sglang", "llama.cpp", "transformers")
-VERSIONS = {"vllm": "vLLM 0.11+", "sglang": "SGLang 0.5+", "llama.cpp": "llama.cpp llama-server b6000+",
+VERSIONS = {"vllm": "vLLM 0.11+", "sglang": "SGLang 0.5+", "llama.cpp": "llama.cpp llama-server, commit 0c1e570",
             "transformers": "transformers 5.x"}
 
 
@@ -142,9 +143,10 @@ def export(recipe: Recipe, engine: str, target: str, drafter: str | None, histor
     elif engine == "llama.cpp":
         out.argv = ["llama-server", "-m", target_gguf or target]
         if ngram:
-            out.argv += ["--spec-type", "ngram-simple", "--draft-max", str(k)]
+            out.argv += ["--spec-type", "ngram-simple", "--spec-ngram-simple-size-n", str(d.ngram_max),
+                         "--spec-ngram-simple-size-m", str(k)]
         else:
-            out.argv += ["-md", drafter_gguf or drafter, "--draft-max", str(k), "--draft-min", "0",
+            out.argv += ["-md", drafter_gguf or drafter, "--spec-draft-n-max", str(k), "--spec-draft-n-min", "0",
                          "--draft-p-min", "0.0"]
         if not target_gguf:
             out.notes.append("llama.cpp reads GGUF files: convert the checkpoints with convert_hf_to_gguf.py first")

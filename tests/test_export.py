@@ -53,7 +53,7 @@ def test_each_engine_gets_its_flags_and_the_cost_of_what_it_drops(tmp_path, caps
     llama = export_json(capsys, db, run, "llama.cpp")
     argv = llama["argv"]
     assert argv[0] == "llama-server" and argv[argv.index("-md") + 1] == str(DEMO_DRAFTER)
-    assert argv[argv.index("--draft-max") + 1] == "4" and argv[argv.index("--draft-p-min") + 1] == "0.0"
+    assert argv[argv.index("--spec-draft-n-max") + 1] == "4" and argv[argv.index("--draft-p-min") + 1] == "0.0"
     assert any("convert_hf_to_gguf" in n for n in llama["notes"])  # the demo pair is not GGUF
     hf = export_json(capsys, db, run, "transformers")["kwargs"]
     assert hf == {"assistant_model": str(DEMO_DRAFTER), "num_assistant_tokens": 4,
@@ -109,3 +109,22 @@ def test_a_run_of_another_deployment_is_refused_in_one_line(tmp_path, capsys):
     assert err.count("\n") == 0 and "tuned another deployment" in err
     assert main(["export", "7", "--to", "vllm", "--db", db]) == 2
     assert "run 7 is not in" in capsys.readouterr().err
+
+
+def test_llama_cpp_flags_are_the_built_servers_own(tmp_path, capsys):
+    """Every flag the llama.cpp export uses is one `llama-server -h` lists (where a built llama-server is
+    found: $LLAMA_SERVER or on PATH), for the draft-model and the n-gram modes."""
+    import os
+    import shutil
+    import subprocess
+
+    binary = os.environ.get("LLAMA_SERVER") or shutil.which("llama-server")
+    if not binary:
+        pytest.skip("no llama-server built here (set LLAMA_SERVER=PATH); its flags are checked where it is")
+    help_text = subprocess.run([binary, "-h"], capture_output=True, text=True, timeout=60).stdout
+    for recipe in ({}, {"draft": {"method": "ngram"}}):
+        (tmp_path / str(len(recipe))).mkdir()
+        db, run = stored(tmp_path / str(len(recipe)), {"recipe": recipe, "heldout_speedup_vs_ar": 1.0})
+        argv = export_json(capsys, db, run, "llama.cpp")["argv"]
+        for flag in (a for a in argv[1:] if a.startswith("-")):
+            assert f"{flag}," in help_text or f"{flag} " in help_text, flag
