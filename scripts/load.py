@@ -125,7 +125,8 @@ def main() -> int:
     p.add_argument("--serve", default=None, help="server command to start (and stop) around the run")
     p.add_argument("--name", default="server", help="the system's name in the output")
     p.add_argument("--concurrency", default="1,4,16")
-    p.add_argument("--requests", type=int, default=16, help="requests per concurrency level")
+    p.add_argument("--requests", type=int, default=16,
+                   help="requests per concurrency level (at least the concurrency: every client sends one)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--time-limit", type=float, default=900, help="seconds a level may start requests")
     p.add_argument("--reference", default=None, help="JSON {request id: transformers' greedy text}")
@@ -139,9 +140,9 @@ def main() -> int:
     proc = subprocess.Popen(shlex.split(args.serve)) if args.serve else None
     try:
         model = wait_ready(args.url, proc)
-        reqs = requests(args.requests)
         reference = json.loads(Path(args.reference).read_text()) if args.reference else None
         for c in (int(x) for x in args.concurrency.split(",")):
+            reqs = requests(max(args.requests, c))
             res = asyncio.run(level(args.url, model, reqs, c, args.max_tokens, args.time_limit))
             texts = res.pop("texts")
             if reference is not None:
