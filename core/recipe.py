@@ -13,19 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.mechanisms import PLUGIN_PREFIX, UnknownMechanism, builtin_names, check_builtin_name  # noqa: F401
+from core.mechanisms import (PLUGIN_PREFIX, UnknownMechanism, builtin_names, check_builtin_name,  # noqa: F401
+                             find, recipe_mechanisms, specs, violation)
 
 LEGACY_FALSE = {"runtime": ("compile", "cuda_graphs")}  # keys of older recipes, never implemented when true
-
-
-def __getattr__(name: str) -> tuple[str, ...]:
-    """The built-in names of a kind, from the registry (kept under their old constant names)."""
-    kinds = {"DRAFT_METHODS": "drafter", "TREE_POLICIES": "tree_policy", "SAMPLINGS": "acceptance",
-             "WEIGHT_FORMATS": "weight_format", "BATCHING_POLICIES": "batching", "LINEAR_BACKENDS": "linear_backend",
-             "DRAFT_LENGTHS": "draft_length", "DRAFTER_FORMATS": "drafter_format"}
-    if name in kinds:
-        return builtin_names(kinds[name])
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 class RecipeError(ValueError):
@@ -111,10 +102,7 @@ class Recipe:
 
     def validate(self) -> "Recipe":
         """Raise RecipeError naming the first bad field; return self so calls chain."""
-        for kind, value in (("drafter", self.draft.method), ("draft_length", self.draft.length),
-                            ("tree_policy", self.tree.policy), ("acceptance", self.verify.sampling),
-                            ("weight_format", self.weights.format), ("linear_backend", self.runtime.linear),
-                            ("batching", self.batching.policy), ("drafter_format", self.weights.drafter_format)):
+        for kind, value in recipe_mechanisms(self):
             try:
                 check_builtin_name(kind, value)
             except UnknownMechanism as exc:
@@ -133,19 +121,9 @@ class Recipe:
         for i, path in enumerate(self.tree.paths):
             if not path or not all(isinstance(r, int) and r >= 0 for r in path):
                 raise RecipeError(f"tree.paths[{i}] must be a non-empty list of ranks >= 0, got {path!r}")
-        if self.tree.policy == "static" and not self.tree.paths:
-            raise RecipeError("tree.paths must list the tree's paths (lists of ranks) when tree.policy = 'static'")
-        if self.weights.format == "gguf" and self.runtime.linear != "native":
-            raise RecipeError("weights.format = 'gguf' runs its own block kernel; set runtime.linear = 'native'")
-        if self.weights.drafter_format != "same" and self.draft.method in ("ngram", "early_exit"):
-            raise RecipeError(f"weights.drafter_format = {self.weights.drafter_format!r} formats a drafter model; "
-                              f"draft.method {self.draft.method!r} has none: set drafter_format = 'same'")
-        if self.verify.sampling == "rejection" and self.tree.policy != "chain":
-            raise RecipeError("verify.sampling = 'rejection' needs tree.policy = 'chain'; "
-                              "use 'seeded' sampling for trees")
-        if self.verify.sampling == "rejection" and self.draft.method == "ngram":
-            raise RecipeError("verify.sampling = 'rejection' needs a drafter with probabilities; "
-                              "draft.method 'ngram' has none (allowed: model, early_exit)")
+        message = violation(self)  # what each mechanism's registration needs of the other fields
+        if message is not None:
+            raise RecipeError(message)
         return self
 
     def to_dict(self) -> dict[str, Any]:
@@ -173,6 +151,15 @@ class Recipe:
             else:
                 data[key] = value
         return Recipe.from_dict(data)
+
+    def switched(self, kind: str, name: str) -> "Recipe":
+        """A copy running built-in `name` of `kind`, with the other fields its registration says go with it
+        (what its constraints need, the drafter taking it too): how the cost model, the agents and the presets
+        switch a mechanism without knowing it by name."""
+        mech = find(kind, name)
+        if mech is None:
+            raise RecipeError(f"{kind} {name!r} is not a registered built-in; allowed: {', '.join(builtin_names(kind))}")
+        return self.replace(**mech.settings())
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], source: str = "recipe") -> "Recipe":
@@ -255,39 +242,23 @@ def _toml_value(value: Any) -> str:
     raise TypeError(f"cannot render {value!r} as TOML")
 
 
+def presets() -> dict[str, Recipe]:
+    """Every built-in recipe by name: `stock` (the defaults: the deployment's drafter in a chain of 4), then
+    the presets each built-in mechanism's registration contributes, in registration order."""
+    out = {"stock": Recipe(name="stock")}
+    for mech in specs():
+        for preset in mech.presets:
+            out[preset.name] = out[preset.base].switched(mech.kind, mech.name).replace(name=preset.name,
+                                                                                       **preset.changes)
+    return out
+
+
 def builtin(name: str) -> Recipe:
-    """Built-in presets: `stock` (drafter chain of 4) and a few sensible starting points."""
-    presets = {
-        "stock": Recipe(name="stock"),
-        "chain6": Recipe(name="chain6", tree=TreeSection(policy="chain", depth=6)),
-        "dynamic": Recipe(name="dynamic", tree=TreeSection(policy="dynamic", depth=6, budget=24, topk=4)),
-        "ngram": Recipe(name="ngram", draft=DraftSection(method="ngram", ngram_max=3),
-                        tree=TreeSection(policy="chain", depth=8)),
-        "ngram-tree": Recipe(name="ngram-tree", draft=DraftSection(method="ngram", ngram_max=3),
-                             tree=TreeSection(policy="dynamic", depth=8, budget=16, topk=4)),
-        "early_exit": Recipe(name="early_exit", draft=DraftSection(method="early_exit"),
-                             tree=TreeSection(policy="chain", depth=4)),
-        "batch-budget": Recipe(name="batch-budget", batching=BatchingSection(policy="budget")),
-        "batch-allocate": Recipe(name="batch-allocate", batching=BatchingSection(policy="allocate")),
-        "batch-cap": Recipe(name="batch-cap", batching=BatchingSection(policy="cap")),
-    }
-    gguf = WeightsSection(format="gguf", drafter=True)  # a GGUF checkpoint's own blocks, target and drafter
-    presets.update({
-        "stock-gguf": Recipe(name="stock-gguf", weights=gguf),
-        "ngram-gguf": Recipe(name="ngram-gguf", draft=DraftSection(method="ngram", ngram_max=3),
-                             tree=TreeSection(policy="chain", depth=8), weights=gguf),
-        "ngram-tree-gguf": Recipe(name="ngram-tree-gguf", draft=DraftSection(method="ngram", ngram_max=3),
-                                  tree=TreeSection(policy="dynamic", depth=8, budget=16, topk=4), weights=gguf),
-        # the target exact on its blocks, the drafter (which only proposes) in lossy 4-bit blocks
-        "stock-gguf-q4": Recipe(name="stock-gguf-q4", weights=dataclasses.replace(gguf, drafter_format="q4")),
-    })
-    if name not in presets:
-        raise RecipeError(f"unknown built-in recipe {name!r}; built-ins: {', '.join(presets)}, or a .toml path")
-    return presets[name].validate()
-
-
-BUILTINS = ("stock", "chain6", "dynamic", "ngram", "ngram-tree", "early_exit", "stock-gguf", "ngram-gguf",
-            "ngram-tree-gguf", "stock-gguf-q4", "batch-budget", "batch-allocate", "batch-cap")
+    """A built-in preset (see `presets`)."""
+    known = presets()
+    if name not in known:
+        raise RecipeError(f"unknown built-in recipe {name!r}; built-ins: {', '.join(known)}, or a .toml path")
+    return known[name].validate()
 
 
 def stock(has_drafter: bool = True) -> Recipe:

@@ -24,7 +24,8 @@ from core.engine.decode import sync
 from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.tree import chain_paths
-from core.recipe import LINEAR_BACKENDS, Recipe, RecipeError
+from core.mechanisms import curve, own_curves
+from core.recipe import Recipe, RecipeError
 
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # dense where chains and trees live: the curve is lumpy there
 CHAIN_DEPTHS = (1, 2, 4, 8)
@@ -304,34 +305,37 @@ def without_products(model: Transformer) -> Transformer:
 
 
 def variant_key(recipe: Recipe) -> str:
-    """Which measured forward curve prices `recipe`: its linear backend, or "gguf" for weights read as
-    stored (that format runs its own kernel, on no linear backend)."""
-    return "gguf" if recipe.weights.format == "gguf" else recipe.runtime.linear
+    """Which measured forward curve prices `recipe`: its weight format's own ("gguf": weights read as stored,
+    by that format's kernel, on no linear backend), else its linear backend's."""
+    return curve("weight_format", recipe.weights.format) or curve("linear_backend", recipe.runtime.linear) \
+        or recipe.runtime.linear
 
 
 def drafter_variant_key(recipe: Recipe) -> str:
     """Which measured drafter curves price `recipe`'s drafter model: the target's variant, plus the drafter's
     own format when it has one ("gguf+q4")."""
     key = variant_key(recipe)
-    form = recipe.weights.drafter_format
-    return key if form == "same" else f"{key}+{form}"
+    form = curve("drafter_format", recipe.weights.drafter_format)
+    return f"{key}+{form}" if form else key
 
 
 def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
-    """The recipe under every linear backend (with a non-gguf weight format), and with gguf weights (target
-    and drafter) when the checkpoint came from a GGUF file: the alternatives the cost model prices."""
-    from core.engine.gguf import source
-
-    fmt = "native" if recipe.weights.format == "gguf" else recipe.weights.format
+    """The recipe under every linear backend (with a weight format that runs on one), and switched to every
+    weight format that runs its own kernel (gguf: target and drafter): the alternatives the cost model prices.
+    A format this checkpoint cannot take (gguf from a Hugging Face directory) fails to load where it is
+    measured, and is left out there."""
+    fmt = "native" if curve("weight_format", recipe.weights.format) else recipe.weights.format
     out = {}
-    for backend in LINEAR_BACKENDS:
+    for key, backend in own_curves("linear_backend").items():
         try:
-            out[backend] = recipe.replace(weights={"format": fmt, "drafter_format": "same"}, runtime={"linear": backend})
+            out[key] = recipe.replace(weights={"format": fmt, "drafter_format": "same"}, runtime={"linear": backend})
         except RecipeError:
             continue
-    if source(engine.target_dir) is not None:
-        out["gguf"] = recipe.replace(weights={"format": "gguf", "drafter": True, "drafter_format": "same"},
-                                     runtime={"linear": "native"})
+    for key, name in own_curves("weight_format").items():
+        try:
+            out[key] = recipe.switched("weight_format", name).replace(weights={"drafter_format": "same"})
+        except RecipeError:
+            continue
     return out
 
 
@@ -339,7 +343,6 @@ def drafter_format_variants(engine: Engine, recipe: Recipe, keys: list[str]) -> 
     """For each target variant in `keys`, the recipe with its drafter model in every approximate drafter
     format that fits in a quarter of the memory available ("gguf+q4": gguf target, 4-bit drafter)."""
     from core.engine.memory import available_bytes
-    from core.mechanisms import builtin_names
 
     if engine.drafter_model is None or recipe.draft.method != "model":
         return {}
@@ -347,16 +350,16 @@ def drafter_format_variants(engine: Engine, recipe: Recipe, keys: list[str]) -> 
     options = variants(engine, recipe)
     out = {}
     for key in keys:
-        for form in builtin_names("drafter_format"):
-            if form == "same" or key not in options:
+        for suffix, form in own_curves("drafter_format").items():
+            if key not in options:
                 continue
             try:
-                variant = options[key].replace(weights={"drafter_format": form})
+                variant = options[key].switched("drafter_format", form)
             except RecipeError:
                 continue
             if avail is not None and engine.packed_bytes(variant) > avail / 4:
                 continue
-            out[f"{key}+{form}"] = variant
+            out[f"{key}+{suffix}"] = variant
     return out
 
 
@@ -439,7 +442,7 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     for kind, model in drafter_models(engine, recipe).items():
         prof.drafters[kind] = drafter_costs(model, context, prompt, widths, repeats, dynamic)
     if prof.drafters:
-        own = [k for k in (variant_key(recipe), "gguf") if k in curves]  # not every backend: each is a copy
+        own = [k for k in dict.fromkeys((variant_key(recipe), *own_curves("weight_format"))) if k in curves]  # not every backend
         formats = drafter_format_variants(engine, recipe, own)
         options = {**variants(engine, recipe), **formats}
         drafters = {f"{key}|{kind}": model for key in [*curves, *formats]  # the measured targets' variants only

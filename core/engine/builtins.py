@@ -1,14 +1,19 @@
-"""The built-in mechanisms, registered through the same `register` call workspace plugins use.
+"""The built-in mechanisms, registered through the same `register` call workspace plugins use (marked
+`builtin=True`), each with every fact the rest of the system reads about it (core.mechanisms.MechanismSpec):
+its memory, its cost-model curve, its constraints on other fields, its stand-in, its presets.
 
-Each kind is defined here with its interface and one short example plugin; core/mechanisms.py turns
-them into the documentation agents receive, so the interface and its documentation have one source.
+Each kind is defined here with its interface, one short example plugin and the built-in a plugin of it is
+priced as; core/mechanisms.py turns them into the documentation agents receive, so the interface and its
+documentation have one source. Adding a mechanism (a weight format, say) is one `register` call here
+beside its implementation: validation, the memory budget, the cost model, the agents and the presets
+read it from there.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable
 
-from core.mechanisms import define_kind, register
+from core.mechanisms import Needs, Preset, define_kind, register
 
 define_kind("drafter", "draft.method", '''
 fn(engine, recipe, target, drafter_model) -> core.engine.drafters.Drafter
@@ -19,7 +24,7 @@ draft(spec, mode, active) -> list[DraftTree], commit, and for batching open/admi
 from core.engine.drafters import NgramDrafter
 from core.mechanisms import register
 
-register("drafter", "ngram5", lambda engine, recipe, target, drafter_model: NgramDrafter(5))''')
+register("drafter", "ngram5", lambda engine, recipe, target, drafter_model: NgramDrafter(5))''', stand_in="model")
 
 define_kind("tree_policy", "tree.policy", '''
 fn(tree) -> list[list[int]] | core.engine.drafters.TreeSpec
@@ -32,7 +37,7 @@ from core.mechanisms import register
 def shape(tree) -> list[list[int]]:
     return [[0] * tree.depth] + [[r] for r in range(1, min(tree.topk, tree.budget - tree.depth + 1))]
 
-register("tree_policy", "wide_root", shape)''')
+register("tree_policy", "wide_root", shape)''', stand_in="chain")
 
 define_kind("draft_length", "draft.length", '''
 fn(depth: int, recent: list[int]) -> int
@@ -46,7 +51,7 @@ def adaptive(depth: int, recent: list[int]) -> int:
         return depth
     return max(1, min(depth, round(sum(recent[-4:]) / len(recent[-4:]))))
 
-register("draft_length", "adaptive", adaptive)''')
+register("draft_length", "adaptive", adaptive)''', stand_in="fixed")
 
 define_kind("acceptance", "verify.sampling", '''
 core.engine.decode.AcceptanceRule(choices, accept, batched=False)
@@ -59,7 +64,7 @@ from core.mechanisms import register
 def choices(logits, trees, ver, req, lengths):
     return logits.float().argmax(-1).tolist()
 
-register("acceptance", "greedy_fp32", AcceptanceRule(choices, _accept, batched=True))''')
+register("acceptance", "greedy_fp32", AcceptanceRule(choices, _accept, batched=True))''', stand_in="greedy")
 
 define_kind("batching", "batching.policy", '''
 fn(policy: core.engine.serve.Policy, alphas: list[float]) -> list[int] | None
@@ -71,7 +76,7 @@ from core.mechanisms import register
 def confident(policy, alphas):
     return [4 if a > 0.7 else 1 for a in alphas]
 
-register("batching", "confident", confident)''')
+register("batching", "confident", confident)''', stand_in="fixed")
 
 define_kind("weight_format", "weights.format", '''
 fn(model: core.engine.model.Transformer, source: str | None, recipe) -> Transformer
@@ -79,7 +84,7 @@ A converted copy of a loaded model (`source` is its checkpoint directory or file
 the format's weights. A format is lossless: refuse weights it cannot hold exactly.''', '''
 from core.mechanisms import register
 
-register("weight_format", "same", lambda model, source, recipe: model)''')
+register("weight_format", "same", lambda model, source, recipe: model)''', stand_in="native", drafter_field="weights.drafter")
 
 define_kind("drafter_format", "weights.drafter_format", '''
 fn(drafter: core.engine.model.Transformer) -> Transformer
@@ -88,7 +93,7 @@ form. A drafter only proposes tokens that the target verifies, so this format ma
 cannot change, only how many drafts are accepted.''', '''
 from core.mechanisms import register
 
-register("drafter_format", "as_is", lambda drafter: drafter)''')
+register("drafter_format", "as_is", lambda drafter: drafter)''', stand_in="same")
 
 define_kind("linear_backend", "runtime.linear", '''
 fn(model: core.engine.model.Transformer, skinny: Callable[[], Transformer]) -> Transformer
@@ -96,7 +101,38 @@ A copy of `model` whose projections run on this backend (`skinny()` returns the 
 copy to build on). The drafter model runs on it too.''', '''
 from core.mechanisms import register
 
-register("linear_backend", "same", lambda model, skinny: model)''')
+register("linear_backend", "same", lambda model, skinny: model)''', stand_in="native")
+
+
+
+def _chain(tree: Any) -> list[list[int]]:
+    from core.engine.tree import chain_paths
+
+    return chain_paths(tree.depth)
+
+
+def _static(tree: Any) -> list[list[int]]:
+    return [list(p) for p in tree.paths]
+
+
+def _dynamic(tree: Any) -> Any:
+    from core.engine.drafters import TreeSpec
+
+    return TreeSpec("dynamic", depth=tree.depth, topk=tree.topk, budget=tree.budget)
+
+
+def _with_paths(recipe: Any) -> str | None:
+    if recipe.tree.paths:
+        return None
+    return "tree.paths must list the tree's paths (lists of ranks) when tree.policy = 'static'"
+
+
+register("tree_policy", "chain", _chain, "the drafter's top-1 chain of tree.depth", builtin=True,
+         presets=(Preset("chain6", changes={"tree": {"depth": 6}}),))
+register("tree_policy", "static", _static, "explicit rank paths (tree.paths)", builtin=True,
+         constraints=(_with_paths,))
+register("tree_policy", "dynamic", _dynamic, "grow by cumulative draft probability, keep the best budget",
+         builtin=True, presets=(Preset("dynamic", changes={"tree": {"depth": 6, "budget": 24, "topk": 4}}),))
 
 
 def _model_drafter(engine: Any, recipe: Any, target: Any, drafter_model: Any) -> Any:
@@ -126,31 +162,34 @@ def _early_exit_drafter(engine: Any, recipe: Any, target: Any, drafter_model: An
     return ModelDrafter(target.truncated(layers))
 
 
-register("drafter", "model", _model_drafter, "the deployment's drafter checkpoint")
-register("drafter", "ngram", _ngram_drafter, "prompt/context n-gram lookup")
-register("drafter", "early_exit", _early_exit_drafter, "the target's first E layers")
+def _without_drafter_model(method: str) -> Callable[[Any], str | None]:
+    """The constraint of a drafter that drafts without the drafter checkpoint: no drafter format to apply."""
+    def check(recipe: Any) -> str | None:
+        form = recipe.weights.drafter_format
+        if form == "same":
+            return None
+        return (f"weights.drafter_format = {form!r} formats a drafter model; draft.method {method!r} has none: "
+                "set drafter_format = 'same'")
+    return check
 
 
-def _chain(tree: Any) -> list[list[int]]:
-    from core.engine.tree import chain_paths
-
-    return chain_paths(tree.depth)
-
-
-def _static(tree: Any) -> list[list[int]]:
-    return [list(p) for p in tree.paths]
+def _with_probabilities(recipe: Any) -> str | None:
+    if recipe.verify.sampling != "rejection":
+        return None
+    return ("verify.sampling = 'rejection' needs a drafter with probabilities; draft.method 'ngram' has none "
+            "(allowed: model, early_exit)")
 
 
-def _dynamic(tree: Any) -> Any:
-    from core.engine.drafters import TreeSpec
-
-    return TreeSpec("dynamic", depth=tree.depth, topk=tree.topk, budget=tree.budget)
-
-
-register("tree_policy", "chain", _chain, "the drafter's top-1 chain of tree.depth")
-register("tree_policy", "static", _static, "explicit rank paths (tree.paths)")
-register("tree_policy", "dynamic", _dynamic, "grow by cumulative draft probability, keep the best budget")
-register("draft_length", "fixed", lambda depth, recent: depth, "always the tree's full depth")
+register("drafter", "model", _model_drafter, "the deployment's drafter checkpoint", builtin=True)
+register("drafter", "ngram", _ngram_drafter, "prompt/context n-gram lookup", builtin=True,
+         constraints=(_without_drafter_model("ngram"), _with_probabilities),
+         presets=(Preset("ngram", changes={"draft": {"ngram_max": 3}, "tree": {"policy": "chain", "depth": 8}}),
+                  Preset("ngram-tree", changes={"draft": {"ngram_max": 3},
+                                                "tree": {"policy": "dynamic", "depth": 8, "budget": 16, "topk": 4}})))
+register("drafter", "early_exit", _early_exit_drafter, "the target's first E layers", builtin=True,
+         constraints=(_without_drafter_model("early_exit"),),
+         presets=(Preset("early_exit", changes={"tree": {"policy": "chain", "depth": 4}}),))
+register("draft_length", "fixed", lambda depth, recent: depth, "always the tree's full depth", builtin=True)
 
 
 def _rule(name: str) -> Any:
@@ -176,8 +215,15 @@ class _Lazy:
         return getattr(self._value, attr)
 
 
-for _name in ("greedy", "seeded", "rejection"):
-    register("acceptance", _name, _Lazy(lambda n=_name: _rule(n)), f"{_name} verification")
+def _on_a_chain(recipe: Any) -> str | None:
+    if recipe.tree.policy == "chain":
+        return None
+    return "verify.sampling = 'rejection' needs tree.policy = 'chain'; use 'seeded' sampling for trees"
+
+
+for _name, _checks in (("greedy", ()), ("seeded", ()), ("rejection", (_on_a_chain,))):
+    register("acceptance", _name, _Lazy(lambda n=_name: _rule(n)), f"{_name} verification", builtin=True,
+             constraints=_checks)
 
 
 def _batching(name: str) -> Callable[[Any, list[float]], list[int] | None]:
@@ -197,11 +243,11 @@ def _batching(name: str) -> Callable[[Any, list[float]], list[int] | None]:
     return policy
 
 
-for _name, _doc in (("fixed", "the recipe's tree for every row"),
-                    ("budget", "one chain depth for all rows from the measured cost at this batch size"),
+register("batching", "fixed", _batching("fixed"), "the recipe's tree for every row", builtin=True)
+for _name, _doc in (("budget", "one chain depth for all rows from the measured cost at this batch size"),
                     ("allocate", "a per-step node budget spread over rows by expected acceptance"),
                     ("cap", "allocate under a cap on verified tokens at the bend of the cost curve")):
-    register("batching", _name, _batching(_name), _doc)
+    register("batching", _name, _batching(_name), _doc, builtin=True, presets=(Preset(f"batch-{_name}"),))
 
 
 def _packed12(model: Any, source: str | None, recipe: Any) -> Any:
@@ -210,17 +256,20 @@ def _packed12(model: Any, source: str | None, recipe: Any) -> Any:
     return pack_transformer(model)
 
 
-register("weight_format", "native", lambda model, source, recipe: model, "the checkpoint's weights as loaded")
-register("weight_format", "packed12", _packed12, "lossless 12-bit packed weights (bfloat16-exact checkpoints)")
-
-
 def _gguf(model: Any, source: str | None, recipe: Any) -> Any:
     from core.engine.gguf_format import gguf_transformer, source_file
 
     return gguf_transformer(model, source_file(source))
 
 
-register("weight_format", "gguf", _gguf, "a GGUF checkpoint's own quantised blocks, dequantised exactly in the kernel")
+register("weight_format", "native", lambda model, source, recipe: model, "the checkpoint's weights as loaded",
+         builtin=True)
+register("weight_format", "packed12", _packed12, "lossless 12-bit packed weights (bfloat16-exact checkpoints)",
+         builtin=True, memory=1.6)
+register("weight_format", "gguf", _gguf, "a GGUF checkpoint's own quantised blocks, dequantised exactly in the kernel",
+         builtin=True, curve="gguf", drafter=True,  # memory-mapped blocks, target and drafter: no private copy
+         constraints=(Needs("runtime.linear", "native", "runs its own block kernel"),),
+         presets=(Preset("stock-gguf"), Preset("ngram-gguf", "ngram"), Preset("ngram-tree-gguf", "ngram-tree")))
 
 
 def _drafter_blocks(bits: int) -> Callable[[Any], Any]:
@@ -232,9 +281,24 @@ def _drafter_blocks(bits: int) -> Callable[[Any], Any]:
     return convert
 
 
-register("drafter_format", "same", lambda drafter: drafter, "the drafter as weights.format and weights.drafter leave it")
-register("drafter_format", "q8", _drafter_blocks(8), "approximate 8-bit drafter weights and activations (Q8_0 dot products)")
-register("drafter_format", "q4", _drafter_blocks(4), "approximate 4-bit drafter weights (Q4_0) with 8-bit activations")
+def _block_bytes(bits: int) -> Callable[[int], float]:
+    """A drafter in `bits`-bit blocks: the values and each 32-block's scale, plus the bfloat16 copy its
+    prompt products use where the CPU has bfloat16 units."""
+    def memory(weights: int) -> float:
+        from core.engine.draft_format import BF16_BYTES, BYTES_PER_WEIGHT, fast_bf16
+
+        return (BYTES_PER_WEIGHT[bits] + (BF16_BYTES if fast_bf16() else 0.0)) * weights
+
+    return memory
+
+
+register("drafter_format", "same", lambda drafter: drafter, "the drafter as weights.format and weights.drafter leave it",
+         builtin=True)
+register("drafter_format", "q8", _drafter_blocks(8), "approximate 8-bit drafter weights and activations (Q8_0 dot products)",
+         builtin=True, memory=_block_bytes(8), curve="q8")
+register("drafter_format", "q4", _drafter_blocks(4), "approximate 4-bit drafter weights (Q4_0) with 8-bit activations",
+         builtin=True, memory=_block_bytes(4), curve="q4",
+         presets=(Preset("stock-gguf-q4", "stock-gguf"),))  # the target exact on its blocks, the drafter lossy
 
 
 def _backend(name: str) -> Callable[[Any, Callable[[], Any]], Any]:
@@ -247,7 +311,9 @@ def _backend(name: str) -> Callable[[Any, Callable[[], Any]], Any]:
     return build
 
 
-for _name, _doc in (("native", "torch's default matmul"), ("onednn", "oneDNN prepacked GEMM (CPU)"),
-                    ("skinny", "SpecPilot's AVX2 few-row GEMM (CPU)"),
-                    ("fused", "a whole decoder layer per C call around skinny products (CPU, float32)")):
-    register("linear_backend", _name, _backend(_name), _doc)
+# memory: private copies per weight of target and drafter (onednn float32; skinny and fused its panels plus
+# oneDNN's copy for wide steps)
+for _name, _doc, _bytes in (("native", "torch's default matmul", 0.0), ("onednn", "oneDNN prepacked GEMM (CPU)", 4.0),
+                            ("skinny", "SpecPilot's AVX2 few-row GEMM (CPU)", 8.0),
+                            ("fused", "a whole decoder layer per C call around skinny products (CPU, float32)", 8.0)):
+    register("linear_backend", _name, _backend(_name), _doc, builtin=True, memory=_bytes, curve=_name)

@@ -12,7 +12,7 @@ from core.engine.decode import GenerateResult, Verification, generate
 from core.engine.drafters import Drafter, ModelDrafter, TreeSpec
 from core.engine.model import Transformer
 from core.engine.serve import CostTable, Policy, Scheduler, check_fits, drive, measure_costs
-from core.mechanisms import check_recipe, lookup
+from core.mechanisms import check_recipe, find, lookup
 from core.recipe import Recipe, stock
 
 
@@ -96,24 +96,27 @@ class Engine:
         return f"{w.format}:{w.drafter}+{recipe.runtime.linear}:drafter:{w.drafter_format}"
 
     def packed_bytes(self, recipe: Recipe) -> int:
-        """Private memory the recipe's weight format and linear backend would add (copies not yet built):
-        packed12 keeps ~1.6 bytes per weight; onednn 4 (float32); skinny and fused 8 (skinny's panels plus
-        oneDNN's copy for wide steps); a q8/q4 drafter format 1.125/0.5625 of the drafter's (plus 2 for its
-        bfloat16 prompt copy where the CPU has bfloat16 units). gguf and native read memory-mapped weights: nothing."""
-        fmt, backend = recipe.weights.format, recipe.runtime.linear
+        """Private memory the copies the recipe's mechanisms would build add (those not yet built): each
+        mechanism's registered bytes (core.mechanisms.MechanismSpec.memory, core/engine/builtins.py) over the
+        weights its copy converts. Formats that read memory-mapped weights (native, gguf) register none."""
+        needed = 0.0
+        for kind, value, built, weights in self._copies(recipe):
+            mech = find(kind, value)
+            if mech is not None and not built:
+                needed += mech.bytes_for(weights)
+        return int(needed)
+
+    def _copies(self, recipe: Recipe) -> list[tuple[str, str, bool, int]]:
+        """(kind, value, whether it is built, weights it converts) of each copy the recipe's mechanisms build:
+        the weight format converts the target (and the drafter model with weights.drafter), the linear backend
+        both, the drafter format the drafter model, and a drafter method builds from the drafter model."""
         target = sum(m.numel() for m in self.target.matrices())
         drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
-        needed = 0.0
-        if fmt == "packed12" and fmt not in self._models:
-            needed += 1.6 * (target + (drafter if recipe.weights.drafter else 0))
-        if backend != "native" and f"{fmt}+{backend}" not in self._models:
-            needed += {"onednn": 4.0, "skinny": 8.0, "fused": 8.0}.get(backend, 0.0) * (target + drafter)
-        form = recipe.weights.drafter_format
-        if form in ("q8", "q4") and self._drafter_key(recipe) not in self._models:
-            from core.engine.draft_format import BF16_BYTES, BYTES_PER_WEIGHT, fast_bf16
-
-            needed += (BYTES_PER_WEIGHT[int(form[1:])] + (BF16_BYTES if fast_bf16() else 0.0)) * drafter
-        return int(needed)
+        w, fmt, backend = recipe.weights, recipe.weights.format, recipe.runtime.linear
+        return [("weight_format", fmt, fmt in self._models, target + (drafter if w.drafter else 0)),
+                ("linear_backend", backend, f"{fmt}+{backend}" in self._models, target + drafter),
+                ("drafter_format", w.drafter_format, self._drafter_key(recipe) in self._models, drafter),
+                ("drafter", recipe.draft.method, self._drafter_cache_key(recipe) in self._drafters, drafter)]
 
     def _budget(self, recipe: Recipe) -> None:
         """Refuse, before building them, packed copies that would not fit in the memory available now."""
@@ -139,14 +142,18 @@ class Engine:
             self._models[key] = build()
         return self._models[key]
 
+    @staticmethod
+    def _drafter_cache_key(recipe: Recipe) -> tuple:
+        """Cache key of the drafter a recipe drafts with."""
+        d, w = recipe.draft, recipe.weights
+        return (d.method, d.exit_layer, d.ngram_max, w.format, w.drafter, w.drafter_format, recipe.runtime.linear)
+
     def drafter_for(self, recipe: Recipe) -> Drafter:
         target, drafter_model = self.models_for(recipe)
-        d = recipe.draft
-        key = (d.method, d.exit_layer, d.ngram_max, recipe.weights.format, recipe.weights.drafter,
-               recipe.weights.drafter_format, recipe.runtime.linear)
+        key = self._drafter_cache_key(recipe)
         if key in self._drafters:
             return self._drafters[key]
-        drafter: Drafter = lookup("drafter", d.method)(self, recipe, target, drafter_model)
+        drafter: Drafter = lookup("drafter", recipe.draft.method)(self, recipe, target, drafter_model)
         self._drafters[key] = drafter
         return drafter
 

@@ -7,8 +7,8 @@ from typing import Any
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.local.common import LocalAgent, Stream, evaluate, pct
 from core.agents.local.keys import CurveKey, drafter_curves
+from core.mechanisms import own_curves
 
-FORMATS = ("q8", "q4")
 MIN_CUT = 0.9  # an approximate format applies where its one-row forward costs under 90% of the drafter's own
 
 
@@ -44,13 +44,13 @@ class DrafterFormatAgent(LocalAgent):
         base = evaluate(tools, f"drafter format {inc.weights.drafter_format}", inc)
         mine = curves.get(key, {})
         options = []
-        for form in FORMATS:
-            measured = curves.get(key.in_format(form))
+        for suffix, form in own_curves("drafter_format").items():
+            measured = curves.get(key.in_format(suffix))
             if form == inc.weights.drafter_format or not measured:
                 continue
             points = ", ".join(f"{w} rows {measured[w]:.1f} vs {mine[w]:.1f} ms" for w in sorted(measured) if w in mine)
             say(f"drafter forward in {form} blocks vs {inc.weights.drafter_format}: {points}")
-            option = evaluate(tools, f"drafter in {form} blocks", inc.replace(weights={"drafter_format": form}))
+            option = evaluate(tools, f"drafter in {form} blocks", inc.switched("drafter_format", form))
             say(f"{form}: predicted {option.predicted:.0f} tok/s ({pct(option.predicted, base.predicted)}) at the "
                 "profiled acceptance")
             options.append(option)

@@ -45,7 +45,7 @@ class DrafterKey:
 @dataclass(frozen=True)
 class CurveKey:
     """Which of the profile's measured drafter forward curves: the target's variant (a linear backend, or
-    'gguf') and the drafter model's own weight format ('same' when it has none)."""
+    'gguf') and the curve key of the drafter model's own format ('same' when it has none)."""
 
     variant: str
     drafter_format: str = "same"
@@ -59,9 +59,9 @@ class CurveKey:
     @classmethod
     def of(cls, recipe: Recipe) -> CurveKey:
         """The curve that prices `recipe`'s drafter model (what profile.drafter_variant_key names)."""
-        from core.costmodel.profile import variant_key
+        from core.costmodel.profile import drafter_variant_key
 
-        return cls(variant_key(recipe), recipe.weights.drafter_format)
+        return cls.parse(drafter_variant_key(recipe))
 
     def __str__(self) -> str:
         return self.variant if self.drafter_format == "same" else f"{self.variant}+{self.drafter_format}"

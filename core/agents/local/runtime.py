@@ -6,7 +6,7 @@ from typing import Any
 
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.local.common import LocalAgent, Stream, evaluate, pct, report_device
-from core.recipe import LINEAR_BACKENDS
+from core.mechanisms import builtin_names, curve
 
 
 class RuntimeAgent(LocalAgent):
@@ -28,12 +28,12 @@ class RuntimeAgent(LocalAgent):
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
         """Price every other linear backend the profile measured on this machine."""
         inc = ctx.recipe
-        if inc.weights.format == "gguf":
-            return AgentFailure(self.name, "the weights are read as stored (gguf), which runs its own block kernel "
-                                           "on no linear backend: the runtime has nothing to change")
+        if curve("weight_format", inc.weights.format):
+            return AgentFailure(self.name, f"the weights are read as stored ({inc.weights.format}), which runs its "
+                                           "own block kernel on no linear backend: the runtime has nothing to change")
         curves = tools.profile.backend_curves
         mine = tools.profile.verify_curve_for(inc.runtime.linear)
-        others = [b for b in curves if b in LINEAR_BACKENDS and b != inc.runtime.linear]
+        others = [b for b in curves if b in builtin_names("linear_backend") and b != inc.runtime.linear]
         if not others:
             measured = ", ".join(curves) or inc.runtime.linear
             return AgentFailure(self.name, f"no other linear backend runs here (measured: {measured}; onednn, "

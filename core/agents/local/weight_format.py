@@ -6,6 +6,7 @@ from typing import Any
 
 from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.agents.local.common import MIN_GAIN, LocalAgent, Stream, evaluate, pct, report_device
+from core.mechanisms import curve, own_curves
 
 PACKED_BYTES = 12 / 16
 
@@ -23,20 +24,22 @@ class WeightFormatAgent(LocalAgent):
         own blocks (a GGUF checkpoint, on any device)."""
         device = report_device(report)
         curves = ((report or {}).get("profile") or {}).get("backend_curves") or {}
-        if device.startswith("cuda") or "gguf" in curves:
+        if device.startswith("cuda") or any(key in curves for key in own_curves("weight_format")):
             return None
         return (f"packed12 pays only with the fused CUDA kernel (this is {device}) and the profile measured no "
                 "gguf blocks")
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
-        """gguf where the profile measured it, else packed12 where verify is weight-bandwidth-bound on CUDA."""
+        """A format with its own kernel (gguf) where the profile measured it, else packed12 where verify is
+        weight-bandwidth-bound on CUDA."""
         inc = ctx.recipe
         curves = tools.profile.backend_curves
-        if inc.weights.format == "gguf":
-            return AgentFailure(self.name, "the weights are already read as stored (gguf): no exact format reads "
-                                           "fewer bytes")
-        if "gguf" in curves:
-            return self.gguf(ctx, tools, say, curves)
+        if curve("weight_format", inc.weights.format):
+            return AgentFailure(self.name, f"the weights are already read as stored ({inc.weights.format}): no "
+                                           "exact format reads fewer bytes")
+        measured = {key: name for key, name in own_curves("weight_format").items() if key in curves}
+        if measured:
+            return self.own_kernel(ctx, tools, say, curves, measured)
         if inc.weights.format == "packed12":
             return AgentFailure(self.name, "weights are already packed12; no other lossless format to try")
         base_pred = tools.predict(inc)
@@ -62,25 +65,31 @@ class WeightFormatAgent(LocalAgent):
         if speedup < 1 + MIN_GAIN:
             return AgentFailure(self.name, f"packed12 predicted {pct(predicted, base_pred)}: the verify step is not "
                                            "weight-bandwidth-bound enough to pay")
-        new = inc.replace(weights={"format": "packed12"})
+        new = inc.switched("weight_format", "packed12")
         rationale = (f"Verification reads every target weight once per step; {bound:.2f} of {verify:.2f} ms is that "
                      f"read at the measured bandwidth. Packed12 is lossless (bit-exact decode) and reads 12/16 of "
                      f"the bytes in the fused kernel: predicted {speedup:.3f}x.")
         return self.candidate(ctx, new, "packed12 target weights (12/16 of the verify bytes)", rationale, speedup, say)
 
-    def gguf(self, ctx: AgentContext, tools: Any, say: Stream, curves: dict) -> Candidate | AgentFailure:
-        """Propose gguf weights for target and drafter when the measured curves predict a gain."""
+    def own_kernel(self, ctx: AgentContext, tools: Any, say: Stream, curves: dict,
+                   measured: dict[str, str]) -> Candidate | AgentFailure:
+        """Propose the weight format with its own kernel (`measured`: curve key -> name) that the measured
+        curves predict fastest, switched as its registration says (gguf: target and drafter)."""
         inc = ctx.recipe
         mine = tools.profile.verify_curve_for(inc.runtime.linear)
-        points = ", ".join(f"{n} nodes {curves['gguf'][n]:.0f} vs {mine[n]:.0f} ms"
-                           for n in (1, 4, 8, 16) if n in curves["gguf"] and n in mine)
-        say(f"target forward, gguf blocks vs {inc.weights.format} weights on {inc.runtime.linear}: {points}")
         base = evaluate(tools, f"{inc.weights.format} weights", inc)
-        option = evaluate(tools, "gguf weights (target and drafter)",
-                          inc.replace(weights={"format": "gguf", "drafter": True}, runtime={"linear": "native"}))
-        say(f"gguf: predicted {option.predicted:.0f} tok/s ({pct(option.predicted, base.predicted)})")
-        rationale = ("The checkpoint's own GGUF blocks, dequantised exactly in the kernel, read far fewer bytes than "
-                     "float32 weights, and a verify step reuses each block for every node (measured forward curve); "
-                     "the values are the reference's bit for bit, so only near-ties can move: predicted "
-                     "x{speedup:.3f}.")
-        return self.finish(ctx, base, [option], "weight format", say, rationale)
+        options = []
+        for key, name in measured.items():
+            points = ", ".join(f"{n} nodes {curves[key][n]:.0f} vs {mine[n]:.0f} ms"
+                               for n in (1, 4, 8, 16) if n in curves[key] and n in mine)
+            say(f"target forward, {name} blocks vs {inc.weights.format} weights on {inc.runtime.linear}: {points}")
+            switched = inc.switched("weight_format", name)
+            both = " (target and drafter)" if switched.weights.drafter else ""
+            option = evaluate(tools, f"{name} weights{both}", switched)
+            say(f"{name}: predicted {option.predicted:.0f} tok/s ({pct(option.predicted, base.predicted)})")
+            options.append(option)
+        rationale = ("The checkpoint's weights as stored ({best.label}), dequantised exactly in the format's own "
+                     "kernel, read far fewer bytes than float32 weights, and a verify step reuses each block for every "
+                     "node (measured forward curve); the values are the reference's bit for bit, so only near-ties "
+                     "can move: predicted x{speedup:.3f}.")
+        return self.finish(ctx, base, options, "weight format", say, rationale)
