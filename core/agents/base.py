@@ -15,7 +15,13 @@ from core.recipe import Recipe
 
 CANDIDATE_KINDS = ("recipe", "plugin", "recipe+plugin")
 
-PLUGIN_INTERFACES_DOC = interfaces_doc()  # generated from the mechanism registry: one source
+
+def __getattr__(name: str) -> str:
+    """PLUGIN_INTERFACES_DOC: the plugin interface documentation, generated from the mechanism registry each
+    time it is read, so a mechanism registered after this import is in it."""
+    if name == "PLUGIN_INTERFACES_DOC":
+        return interfaces_doc()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass

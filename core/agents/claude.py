@@ -14,9 +14,10 @@ from typing import Any, Callable
 
 import anthropic
 
-from core.agents.base import PLUGIN_INTERFACES_DOC, AgentContext, AgentFailure, Candidate
+from core.agents.base import AgentContext, AgentFailure, Candidate
 from core.diffs import (PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, make_unified_diff,
                         parse_agent_output, workspace_files)
+from core.mechanisms import interfaces_doc
 from core.memory import rejection_line
 from core.recipe import Recipe, RecipeError
 from core.store.redact import KEY_ENV, redact, redact_text
@@ -69,7 +70,7 @@ def build_system_prefix(ctx: AgentContext, files: dict[str, str]) -> str:
         "deployment's decoding recipe (and optionally plugin code) to make generation faster while keeping "
         "the output exactly identical to the target model's (lossless).",
         OUTPUT_FORMAT,
-        PLUGIN_INTERFACES_DOC,
+        interfaces_doc(),  # read now: every mechanism registered so far
         "Deployment:\n" + json.dumps(ctx.deployment, indent=1, sort_keys=True, default=str),
         f"Current recipe ({RECIPE_FILE}):\n{files[RECIPE_FILE]}",
         "Existing plugin files:" + (plugins or " none"),
