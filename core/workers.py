@@ -142,9 +142,9 @@ class Worker(WorkerBase):
         if cpus:
             env["SPECPILOT_WORKER_CPUS"] = ",".join(map(str, cpus))
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "core.worker", str(write_fd)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.DEVNULL, stderr=self.log, pass_fds=(write_fd,),
-                                     start_new_session=True, env=env, text=True)
+        self.proc = subprocess.Popen([sys.executable, "-m", "core.worker_process", str(write_fd)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.log,
+                                     pass_fds=(write_fd,), start_new_session=True, env=env, text=True)
         os.close(write_fd)
         _LIVE.add(self)
         self.reply_fd = read_fd

@@ -1,4 +1,4 @@
-"""A candidate's process: one resident engine fed prompts over a pipe (run as `python -m core.worker FD`).
+"""A candidate's process: one resident engine fed prompts over a pipe (run as `python -m core.worker_process FD`).
 
 Candidate code (workspace plugins, recipes) only ever runs here, never in the judge. The worker answers on
 a dedicated file descriptor, so whatever the candidate prints cannot forge a reply; its timing is not
