@@ -254,7 +254,7 @@ def test_timed_run_keeps_the_fastest_pass():
 def test_profile_skips_what_does_not_fit_and_still_prices_drafter_formats(tiny_pair, monkeypatch):
     """With memory for the drafter's q8/q4 copies but not for a backend's packed target, the profile
     measures neither that backend's target nor its drafter (no copy is built), and still the formats."""
-    from core.engine import memory
+    from core.engine import ram_budget
 
     target_dir, drafter_dir, _ = tiny_pair
     engine = Engine.load(target_dir, drafter_dir)
@@ -262,7 +262,7 @@ def test_profile_skips_what_does_not_fit_and_still_prices_drafter_formats(tiny_p
     formats = [stock.replace(weights={"drafter_format": f}) for f in ("q8", "q4")]
     avail = 4 * max(engine.packed_bytes(r) for r in formats) + 1
     assert engine.packed_bytes(stock.replace(runtime={"linear": "onednn"})) > avail / 4
-    monkeypatch.setattr(memory, "available_bytes", lambda: avail)
+    monkeypatch.setattr(ram_budget, "available_bytes", lambda: avail)
     prof = profile(engine, stock, prompts(2), LIMITS[:2], repeats=1)
     assert set(prof.backend_curves) == {"native"}
     assert set(prof.drafter_backend_curves) == {"native", "native+q8", "native+q4"}

@@ -235,16 +235,16 @@ def test_recipes_best_loads_the_incumbents_plugins_from_its_workspace(tmp_path, 
 
 
 def test_a_backend_that_would_not_fit_is_refused_before_it_loads(monkeypatch, tmp_path):
-    from core.engine import memory
+    from core.engine import ram_budget
 
     d = mini_deployment.build(tmp_path, requests=1, max_new_tokens=4)
     engine = Engine.load(d["target"], d["drafter"])
-    monkeypatch.setattr(memory, "available_bytes", lambda: 1 << 20)
+    monkeypatch.setattr(ram_budget, "available_bytes", lambda: 1 << 20)
     fused = builtin("stock").replace(runtime={"linear": "fused"})
     with pytest.raises(ModelLoadError, match=r"needs .* GB of private memory and only 0.0 GB is available"):
         engine.generate([[1, 2, 3]], 2, fused)
     assert engine._models == {}
-    monkeypatch.setattr(memory, "available_bytes", lambda: 64 << 30)
+    monkeypatch.setattr(ram_budget, "available_bytes", lambda: 64 << 30)
     assert engine.generate([[1, 2, 3]], 2, fused).tokens[0] == engine.generate([[1, 2, 3]], 2, speculative=False).tokens[0]
 
 

@@ -342,7 +342,7 @@ def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
 def drafter_format_variants(engine: Engine, recipe: Recipe, keys: list[str]) -> dict[str, Recipe]:
     """For each target variant in `keys`, the recipe with its drafter model in every approximate drafter
     format that fits in a quarter of the memory available ("gguf+q4": gguf target, 4-bit drafter)."""
-    from core.engine.memory import available_bytes
+    from core.engine.ram_budget import available_bytes
 
     if engine.drafter_model is None or recipe.draft.method != "model":
         return {}
@@ -367,7 +367,7 @@ def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
     """The recipe's target under every variant (see `variants`) that runs on this device and dtype, and
     whose packed copies take at most a quarter of the memory available (the profiling process shares the
     machine with the reference and the judge's workers: a 1.5B model's float32 copies are 7 GB each)."""
-    from core.engine.memory import available_bytes
+    from core.engine.ram_budget import available_bytes
 
     targets = {}
     avail = available_bytes()

@@ -122,7 +122,7 @@ class Engine:
         """Refuse, before building them, packed copies that would not fit in the memory available now."""
         needed = self.packed_bytes(recipe)
         if needed:
-            from core.engine.memory import require
+            from core.engine.ram_budget import require
 
             require(needed, f"weights.format = {recipe.weights.format!r} (drafter_format = "
                             f"{recipe.weights.drafter_format!r}) with runtime.linear = "

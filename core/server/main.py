@@ -17,7 +17,7 @@ from pathlib import Path
 import uvicorn
 
 from core.engine.decode import Verification
-from core.engine.memory import require
+from core.engine.ram_budget import require
 from core.recipe import Recipe, RecipeError
 
 log = logging.getLogger("specpilot.serve")
