@@ -25,9 +25,9 @@ from sqlmodel import Session, select
 from core import events as ev
 from core.memory import ranked
 from core.store import tables as t
-from core.store.engine import StoreError, inspect_file, make_engines, make_read_only_engine
 from core.store.migrations import SCHEMA_VERSION, upgrade
 from core.store.redact import redact
+from core.store.sqlite import StoreError, inspect_file, make_engines, make_read_only_engine
 
 MEMORY_KEYS = ("mechanism", "description", "fragment", "fingerprint", "effect", "evidence")
 DECISIONS = ("approve", "reject")
