@@ -33,18 +33,18 @@ class Deployment:
 
     def __post_init__(self) -> None:
         """A `.gguf` target or drafter is materialised once into a cached checkpoint directory (see
-        core/engine/gguf.py), so every consumer sees a directory; the file stays named in *_source. A GGUF
-        deployment defaults to float32, the dtype its dequantised weights are exact in."""
-        from core.engine import gguf
+        core/engine/gguf_checkpoint.py), so every consumer sees a directory; the file stays named in *_source.
+        A GGUF deployment defaults to float32, the dtype its dequantised weights are exact in."""
+        from core.engine import gguf_checkpoint
 
         if self.drafter in ("none", ""):
             self.drafter = None
         from_gguf = False
         for role in ("target", "drafter"):
             path = getattr(self, role)
-            if path is not None and gguf.is_gguf(path):
+            if path is not None and gguf_checkpoint.is_gguf(path):
                 setattr(self, f"{role}_source", str(path))
-                setattr(self, role, gguf.resolve(path))
+                setattr(self, role, gguf_checkpoint.resolve(path))
                 from_gguf = True
         if self.dtype == "auto":
             self.dtype = "float32" if from_gguf else default_dtype(self.device)

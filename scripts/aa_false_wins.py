@@ -13,7 +13,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from core import workload  # noqa: E402
 from core.deployment import Deployment  # noqa: E402
-from core.engine import gguf  # noqa: E402
+from core.engine import gguf_checkpoint  # noqa: E402
 from core.fetch import fetch  # noqa: E402
 from core.judge import Judge, JudgeRequest  # noqa: E402
 from core.recipe import builtin  # noqa: E402
@@ -22,7 +22,7 @@ from core.recipe import builtin  # noqa: E402
 def requests(target: str, which: str, n: int, new_tokens: int) -> list[JudgeRequest]:
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gguf.resolve(target))
+    tok = AutoTokenizer.from_pretrained(gguf_checkpoint.resolve(target))
     reqs = workload.load("workloads/coding_chat.jsonl")
     index = {r.id: i for i, r in enumerate(reqs)}
     return [JudgeRequest(r.id, index[r.id], workload.encode(tok, r), new_tokens)

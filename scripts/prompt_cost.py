@@ -9,13 +9,13 @@ import time
 import torch
 from real_pair import decode_seconds, load
 
-from core.engine import gguf
+from core.engine import gguf_checkpoint
 from core.hf import hf_model
 from core.recipe import builtin
 
 pair = load(16, threads=1)
 enc, eng = pair.prompts, pair.engine
-hf = hf_model(gguf.resolve(pair.target), "float32", "cpu")
+hf = hf_model(gguf_checkpoint.resolve(pair.target), "float32", "cpu")
 recipes = {"stock-gguf-q4": builtin("stock-gguf-q4"), "stock-gguf": builtin("stock-gguf")}
 
 

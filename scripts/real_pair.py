@@ -37,12 +37,12 @@ def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine
     from transformers import AutoTokenizer
 
     from core import workload
-    from core.engine import gguf
+    from core.engine import gguf_checkpoint
     from core.engine.engine import Engine
     from core.fetch import fetch
 
     paths = fetch("qwen-coder")
-    target, drafter = gguf.resolve(paths["target"]), gguf.resolve(paths["drafter"])
+    target, drafter = gguf_checkpoint.resolve(paths["target"]), gguf_checkpoint.resolve(paths["drafter"])
     tok = AutoTokenizer.from_pretrained(target)
     reqs = workload.split(workload.load(str(WORKLOAD)), split)[:n]
     return RealPair(paths["target"], paths["drafter"], tok, reqs, [workload.encode(tok, r) for r in reqs],

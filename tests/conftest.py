@@ -61,7 +61,7 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf):
     """SmolLM2's materialised checkpoint directory (config, tokenizer, dequantised float32 weights)."""
-    from core.engine.gguf import materialise
+    from core.engine.gguf_checkpoint import materialise
 
     return materialise(smollm2_gguf)
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from core.engine import Engine
-from core.engine.gguf import GGUFError, hf_config, materialise, reader
+from core.engine.gguf_checkpoint import GGUFError, hf_config, materialise, reader
 
 
 @pytest.fixture(scope="module")
@@ -127,7 +127,7 @@ def test_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
 
 def test_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2_gguf):
     """A half-written cache entry (no completion marker) is never used: it is rebuilt."""
-    from core.engine import gguf as g
+    from core.engine import gguf_checkpoint as g
 
     monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path))
     small = tmp_path / "tiny.gguf"
@@ -153,7 +153,7 @@ def test_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2_gguf):
 def test_a_build_finished_meanwhile_by_another_process_is_kept(tmp_path) -> None:
     """Two processes materialising the same file: the second to finish keeps the first one's complete
     directory (readers may have it memory-mapped) and drops its own copy; an incomplete one is replaced."""
-    from core.engine import gguf as g
+    from core.engine import gguf_checkpoint as g
 
     out = tmp_path / "abcd"
     out.mkdir()

@@ -17,14 +17,14 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from core.engine import gguf
+from core.engine import gguf_checkpoint
 from core.engine.config import ModelLoadError
 from core.engine.model import Linear, Transformer
 
 
 def source_file(checkpoint: str | None) -> str:
     """The GGUF file a checkpoint was materialised from; a plain Hugging Face directory cannot use the format."""
-    info = gguf.source(checkpoint) if checkpoint else None
+    info = gguf_checkpoint.source(checkpoint) if checkpoint else None
     if info is None:
         raise ModelLoadError(f"weights.format = 'gguf' needs a GGUF checkpoint (--target FILE.gguf); {checkpoint} is "
                              "a Hugging Face directory: use weights.format = 'native'")
@@ -38,7 +38,7 @@ def gguf_transformer(model: Transformer, path: str) -> Transformer:
     if model.dtype != torch.float32:
         raise ModelLoadError("weights.format = 'gguf' computes in float32, the dtype its weights are exact in; "
                              "use --dtype float32")
-    tensors = {t.name: t for t in gguf.reader(path).tensors}
+    tensors = {t.name: t for t in gguf_checkpoint.reader(path).tensors}
     cfg = model.cfg
     permuted = cfg.family == "llama"
 
@@ -52,7 +52,7 @@ def gguf_transformer(model: Transformer, path: str) -> Transformer:
         """Output columns in Hugging Face order: llama.cpp stores llama's q/k rows rotary-permuted."""
         if not permuted:
             return None
-        return torch.from_numpy(gguf._unpermute(np.arange(rows)[:, None], heads)[:, 0].copy())
+        return torch.from_numpy(gguf_checkpoint._unpermute(np.arange(rows)[:, None], heads)[:, 0].copy())
 
     stored = 0
     layers = []
