@@ -16,17 +16,17 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.worker import get_current_worker
 
-from app.bridge import CoreEvent, LoopBridge, LoopEnded, StoreLike, build_handle, one_line, open_store
-from app.commands import SpecPilotCommands
-from app.screens.help import HelpScreen
-from app.screens.main import MainScreen
-from app.screens.reject import RejectScreen
-from app.screens.runs import RunsScreen
-from app.settings import load_settings, save_setting
-from app.widgets.dashboard import Dashboard
-from core.cli import db_path, loop_options
-from core.events import Event, LoopHandle, StateChanged
-from themes import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
+from specpilot.app.bridge import CoreEvent, LoopBridge, LoopEnded, StoreLike, build_handle, one_line, open_store
+from specpilot.app.commands import SpecPilotCommands
+from specpilot.app.screens.help import HelpScreen
+from specpilot.app.screens.main import MainScreen
+from specpilot.app.screens.reject import RejectScreen
+from specpilot.app.screens.runs import RunsScreen
+from specpilot.app.settings import load_settings, save_setting
+from specpilot.app.widgets.dashboard import Dashboard
+from specpilot.core.cli import db_path, loop_options
+from specpilot.core.events import Event, LoopHandle, StateChanged
+from specpilot.themes import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
 
 LIVE_ONLY = {"approve", "reject", "toggle_pause"}
 QUIT_GRACE_S = 15.0  # how long quitting waits for the step in flight to stop before leaving anyway

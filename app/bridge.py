@@ -16,7 +16,7 @@ from typing import Any, Callable, Protocol
 
 from textual.message import Message
 
-from core.events import DecisionRefused, Event, LoopHandle
+from specpilot.core.events import DecisionRefused, Event, LoopHandle
 
 FAKE_CORE_ENV = "SPECPILOT_FAKE_CORE"
 """Testing hook: when set, the app drives tests/fake_core.py instead of core.loop."""
@@ -67,7 +67,7 @@ def build_handle(args: Namespace) -> LoopHandle:
     if os.environ.get(FAKE_CORE_ENV):
         return _fake_core()
     try:
-        from core.loop import build_loop
+        from specpilot.core.loop import build_loop
     except Exception as exc:
         raise LoopUnavailable(f"the live loop is not available ({one_line(exc)}); "
                               "replaying stored runs still works (R)") from None
@@ -93,7 +93,7 @@ def open_store(path: str | os.PathLike[str]) -> StoreLike:
     if not Path(path).is_file():
         raise StoreUnavailable(f"no store at {path} (run the loop first, or pass --db)")
     try:
-        from core.store.db import Store, StoreError
+        from specpilot.core.store.db import Store, StoreError
     except Exception as exc:
         raise StoreUnavailable(f"the store is not available ({one_line(exc)})") from None
     try:

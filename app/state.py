@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import PurePath
 from typing import Any, Callable
 
-from core import events as ev
-from core.events import GATES, Event
+from specpilot.core import events as ev
+from specpilot.core.events import GATES, Event
 
 PANELS = ("header", "gaps", "candidates", "stream", "forcing", "speedup", "status")
 

@@ -15,10 +15,10 @@ import sys
 
 from tqdm import tqdm
 
-from core.deployment import Deployment
-from core.engine import Engine
-from core.recipe import Recipe
-from core.workload import encode, load, split
+from specpilot.core.deployment import Deployment
+from specpilot.core.engine import Engine
+from specpilot.core.recipe import Recipe
+from specpilot.core.workload import encode, load, split
 
 
 def same_runtime(recipe: Recipe) -> str | None:

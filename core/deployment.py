@@ -35,7 +35,7 @@ class Deployment:
         """A `.gguf` target or drafter is materialised once into a cached checkpoint directory (see
         core/engine/gguf_checkpoint.py), so every consumer sees a directory; the file stays named in *_source.
         A GGUF deployment defaults to float32, the dtype its dequantised weights are exact in."""
-        from core.engine import gguf_checkpoint
+        from specpilot.core.engine import gguf_checkpoint
 
         if self.drafter in ("none", ""):
             self.drafter = None
@@ -70,8 +70,8 @@ class Deployment:
 
     def validate(self) -> "Deployment":
         """Fail early, in one line, on paths that do not exist."""
-        from core.engine.config import ModelLoadError
-        from core.workload import WorkloadError
+        from specpilot.core.engine.config import ModelLoadError
+        from specpilot.core.workload import WorkloadError
 
         for role, path in (("target", self.target), ("drafter", self.drafter)):
             if path is not None and not (Path(path) / "config.json").is_file():

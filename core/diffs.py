@@ -14,7 +14,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path, PurePosixPath
 from typing import Callable, Iterable
 
-from core.recipe import Recipe
+from specpilot.core.recipe import Recipe
 
 RECIPE_FILE = "recipe.toml"
 PLUGIN_GLOB = "plugins/*.py"

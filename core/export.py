@@ -19,7 +19,7 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.recipe import Recipe, changed_fields, stock
+from specpilot.core.recipe import Recipe, changed_fields, stock
 
 ENGINES = ("vllm", "sglang", "llama.cpp", "transformers")
 VERSIONS = {"vllm": "vLLM 0.11+", "sglang": "SGLang 0.5+", "llama.cpp": "llama.cpp llama-server, commit 0c1e570",

@@ -113,7 +113,7 @@ def fetch(name: str, cache_dir: str | os.PathLike | None = None, pip_args: Seque
     if spec is None:
         raise FetchError(f"unknown deployment {name!r}; known: {', '.join(sorted(DEPLOYMENTS))}")
     if cache_dir is None:
-        from kernels import cache_dir as specpilot_cache
+        from specpilot.kernels import cache_dir as specpilot_cache
 
         cache_dir = specpilot_cache() / "models"
     root = Path(cache_dir).expanduser().resolve()

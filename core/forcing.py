@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from core.engine import Engine
-from core.engine.decode import Verification
-from core.engine.sampling import seeded_scores
-from core.recipe import Recipe
-from core.recipe import stock as deployment_stock
+from specpilot.core.engine import Engine
+from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.sampling import seeded_scores
+from specpilot.core.recipe import Recipe
+from specpilot.core.recipe import stock as deployment_stock
 
 EPSILON = 0.05
 MARGIN_PP = 0.005
@@ -67,7 +67,7 @@ class ForcingResult:
 
 def load_reference(target_dir: str, dtype: str = "float32", device: str = "cpu"):
     """The stock reference: the transformers model of the target checkpoint, float32 unless told."""
-    from core.hf import hf_model
+    from specpilot.core.hf import hf_model
 
     return hf_model(target_dir, dtype, device)
 

@@ -20,7 +20,7 @@ def hf_model(path: str, dtype: str = "float32", device: str = "cpu"):
         return AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device).eval()
     from accelerate import init_empty_weights
 
-    from core.engine.loader import load_state_dict
+    from specpilot.core.engine.loader import load_state_dict
 
     state = load_state_dict(path)
     if any(t.dtype != torch_dtype for t in state.values() if t.is_floating_point()):

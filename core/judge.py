@@ -20,16 +20,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
-from core import progress
-from core.diffs import PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, parse_agent_output, workspace_files
-from core.deployment import Deployment
-from core.events import GATES
-from core.executors import Device, Executor
-from core.executors.local import LocalExecutor, device_lock, timing_cpus
-from core.mechanisms import UnknownMechanism, check_recipe
-from core.recipe import Recipe, RecipeError
-from core.stats import Comparison, Noise, compare, noise, speedups
-from core.workers import (KEEP, SECRET_ENV, START_LIMIT_S, Bound, JudgeRequest, Worker, WorkerBase, WorkerError,
+from specpilot.core import progress
+from specpilot.core.diffs import PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, parse_agent_output, workspace_files
+from specpilot.core.deployment import Deployment
+from specpilot.core.events import GATES
+from specpilot.core.executors import Device, Executor
+from specpilot.core.executors.local import LocalExecutor, device_lock, timing_cpus
+from specpilot.core.mechanisms import UnknownMechanism, check_recipe
+from specpilot.core.recipe import Recipe, RecipeError
+from specpilot.core.stats import Comparison, Noise, compare, noise, speedups
+from specpilot.core.workers import (KEEP, SECRET_ENV, START_LIMIT_S, Bound, JudgeRequest, Worker, WorkerBase, WorkerError,
                           WorkerTimeout)
 
 __all__ = ["Judge", "Verdict", "Gate", "Samples", "Forcing", "JudgeRequest", "Worker", "WorkerBase", "WorkerError", "WorkerTimeout", "Bound",

@@ -138,7 +138,7 @@ def _get(recipe: Any, dotted: str) -> Any:
 
 KINDS: dict[str, Kind] = {}
 _MECHANISMS: dict[tuple[str, str], MechanismSpec] = {}
-BUILTINS_MODULE = "core.engine.builtins"
+BUILTINS_MODULE = "specpilot.core.engine.builtins"
 
 
 class UnknownMechanism(ValueError):
@@ -342,12 +342,12 @@ def interfaces_doc() -> str:
         "A plugin is one file `plugins/<name>.py` in the run workspace that registers one or more mechanisms",
         "when imported, through the same call the built-ins use:",
         "",
-        "    from core.mechanisms import register",
+        "    from specpilot.core.mechanisms import register",
         "    register(KIND, \"<name>\", implementation)",
         "",
-        "(`core.engine.plugins.register_tree_policy(name, fn)` is the older spelling for a tree policy.)",
+        "(`specpilot.core.engine.plugins.register_tree_policy(name, fn)` is the older spelling for a tree policy.)",
         "A recipe selects it with the `plugin:` prefix in the kind's field, e.g. draft.length = \"plugin:<name>\".",
-        "Plugin files import only the standard library, math, numpy, torch, core.engine and core.mechanisms;",
+        "Plugin files import only the standard library, math, numpy, torch, specpilot.core.engine and specpilot.core.mechanisms;",
         "they run in the judge's worker subprocess, never in the loop process, and must be deterministic",
         "(no clocks, no files, no unseeded randomness). Token forcing checks every output against the",
         "reference, so a plugin only changes how fast the output comes, never what it is.",

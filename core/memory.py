@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from core.recipe import Recipe, RecipeError, changed_fields
+from specpilot.core.recipe import Recipe, RecipeError, changed_fields
 
 
 def is_rejection(entry: dict) -> bool:
@@ -109,7 +109,7 @@ def applicable(memory: list[dict[str, Any]], recipe: Recipe | None) -> list[tupl
 def plugin_sources(recipe: Recipe, workspace: Path) -> dict[str, str]:
     """The workspace plugin files that register a plugin the recipe names (path -> source), so memory can
     re-propose the mechanism in a later run; read as text, never imported."""
-    from core.mechanisms import PLUGIN_PREFIX, declared_in, recipe_mechanisms
+    from specpilot.core.mechanisms import PLUGIN_PREFIX, declared_in, recipe_mechanisms
 
     wanted = {(k, v.removeprefix(PLUGIN_PREFIX)) for k, v in recipe_mechanisms(recipe) if v.startswith(PLUGIN_PREFIX)}
     return {f"plugins/{path.name}": path.read_text() for path in sorted((workspace / "plugins").glob("*.py"))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from core.mechanisms import (PLUGIN_PREFIX, UnknownMechanism, builtin_names, check_builtin_name,  # noqa: F401
+from specpilot.core.mechanisms import (PLUGIN_PREFIX, UnknownMechanism, builtin_names, check_builtin_name,  # noqa: F401
                              find, recipe_mechanisms, specs, violation)
 
 LEGACY_FALSE = {"runtime": ("compile", "cuda_graphs")}  # keys of older recipes, never implemented when true

@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from core.deployment import Deployment
-from core.judge import JudgeRequest
-from core.recipe import Recipe
+from specpilot.core.deployment import Deployment
+from specpilot.core.judge import JudgeRequest
+from specpilot.core.recipe import Recipe
 
 
 @dataclass
@@ -25,7 +25,7 @@ class RunContext:
 
     def force(self, requests: list[JudgeRequest], outputs: list[list[int]], recipe: Recipe) -> dict:
         """Token forcing of `outputs` against the transformers reference (runs in the judge's process)."""
-        from core.forcing import _verification, force
+        from specpilot.core.forcing import _verification, force
 
         result = force(self.reference, [r.prompt for r in requests], outputs, [r.max_new_tokens for r in requests],
                        _verification(recipe), [r.index for r in requests], self.eos)
@@ -33,7 +33,7 @@ class RunContext:
 
     def analyse(self, recipe: Recipe) -> dict:
         """The round's cost report for the incumbent on the tuning requests."""
-        from core.costmodel.report import analyse
+        from specpilot.core.costmodel.report import analyse
 
         prompts = [r.prompt for r in self.tuning]
         limits = [r.max_new_tokens for r in self.tuning]
@@ -48,7 +48,7 @@ class RunContext:
 def _materialised(recipe: Recipe) -> Recipe:
     """Plugins are candidate code: the loop's process never imports them, so the cost model profiles such an
     incumbent with built-in stand-ins (a plugin tree policy as a depth-matched chain, and so on)."""
-    from core.mechanisms import modelled
+    from specpilot.core.mechanisms import modelled
 
     return modelled(recipe)
 
@@ -58,10 +58,10 @@ def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tok
     """Load everything a run needs once; bad paths and files fail here with one clear line."""
     from transformers import AutoTokenizer
 
-    from core.costmodel.profile import timed_run
-    from core.engine import Engine
-    from core.forcing import load_reference
-    from core.workload import encode, load, split
+    from specpilot.core.costmodel.profile import timed_run
+    from specpilot.core.engine import Engine
+    from specpilot.core.forcing import load_reference
+    from specpilot.core.workload import encode, load, split
 
     deployment.apply_threads()
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
@@ -95,7 +95,7 @@ def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tok
 
 def _tools_factory(ctx: RunContext) -> Callable | None:
     try:
-        from core.costmodel.tools import CostTools
+        from specpilot.core.costmodel.tools import CostTools
     except ImportError:
         return None
 

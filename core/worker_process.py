@@ -1,4 +1,4 @@
-"""A candidate's process: one resident engine fed prompts over a pipe (run as `python -m core.worker_process FD`).
+"""A candidate's process: one resident engine fed prompts over a pipe (run as `python -m specpilot.core.worker_process FD`).
 
 Candidate code (workspace plugins, recipes) only ever runs here, never in the judge. The worker answers on
 a dedicated file descriptor, so whatever the candidate prints cannot forge a reply; its timing is not
@@ -86,9 +86,9 @@ def _serve(reply_fd: int) -> None:
         msg = json.loads(line)
         try:
             if msg["op"] == "init":
-                from core.engine import Engine
-                from core.engine.plugins import load_workspace
-                from core.recipe import Recipe
+                from specpilot.core.engine import Engine
+                from specpilot.core.engine.plugins import load_workspace
+                from specpilot.core.recipe import Recipe
 
                 d = msg["deployment"]
                 _guard(d, msg.get("workspace"))
@@ -106,7 +106,7 @@ def _serve(reply_fd: int) -> None:
                 if "recipe" in msg:  # the judge's baseline worker runs several trusted recipes
                     text = msg["recipe"]
                     if text is not None and text not in recipes:
-                        from core.recipe import Recipe
+                        from specpilot.core.recipe import Recipe
 
                         recipes[text] = Recipe.from_toml(text)
                     use = recipes[text] if text is not None else None

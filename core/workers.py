@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from core.deployment import Deployment
-    from core.recipe import Recipe
+    from specpilot.core.deployment import Deployment
+    from specpilot.core.recipe import Recipe
 
 SECRET_ENV = ("ANTHROPIC_API_KEY", "ANTHROPIC_AUTH_TOKEN")
 KEEP = object()  # WorkerBase.timed: run the worker's own recipe
@@ -142,7 +142,7 @@ class Worker(WorkerBase):
         if cpus:
             env["SPECPILOT_WORKER_CPUS"] = ",".join(map(str, cpus))
         self.log = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen([sys.executable, "-m", "core.worker_process", str(write_fd)],
+        self.proc = subprocess.Popen([sys.executable, "-m", "specpilot.core.worker_process", str(write_fd)],
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.log,
                                      pass_fds=(write_fd,), start_new_session=True, env=env, text=True)
         os.close(write_fd)

@@ -4,7 +4,7 @@
   drafter's 8-bit products (q8_draft.c), each with its ctypes binding; build.py compiles them on first use;
 - gpu/: the Triton twins (gguf_triton, packed12_triton) and the packed12 format;
 - reference/: plain-PyTorch references the kernels are tested against (gguf_ref, bf16x3);
-- bench/: their benchmarks (`python -m kernels.gguf_blocks --bench MODEL.gguf` runs bench/gguf_cpu.py).
+- bench/: their benchmarks (`python -m specpilot.kernels.gguf_blocks --bench MODEL.gguf` runs bench/gguf_cpu.py).
 """
 
 import os

@@ -16,7 +16,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from kernels import cache_dir
+from specpilot.kernels import cache_dir
 
 
 class KernelUnavailable(RuntimeError):

@@ -11,12 +11,12 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from core import workload  # noqa: E402
-from core.deployment import Deployment  # noqa: E402
-from core.engine import gguf_checkpoint  # noqa: E402
-from core.fetch import fetch  # noqa: E402
-from core.judge import Judge, JudgeRequest  # noqa: E402
-from core.recipe import builtin  # noqa: E402
+from specpilot.core import workload  # noqa: E402
+from specpilot.core.deployment import Deployment  # noqa: E402
+from specpilot.core.engine import gguf_checkpoint  # noqa: E402
+from specpilot.core.fetch import fetch  # noqa: E402
+from specpilot.core.judge import Judge, JudgeRequest  # noqa: E402
+from specpilot.core.recipe import builtin  # noqa: E402
 
 
 def requests(target: str, which: str, n: int, new_tokens: int) -> list[JudgeRequest]:

@@ -11,9 +11,9 @@ import time
 
 from real_pair import load
 
-from core.costmodel import replay as rp
-from core.engine.drafters import TreeSpec
-from core.recipe import builtin
+from specpilot.core.costmodel import replay as rp
+from specpilot.core.engine.drafters import TreeSpec
+from specpilot.core.recipe import builtin
 
 SHAPES = [("chain", 4, None), ("chain", 6, None), ("chain", 8, None),
           ("dynamic", 6, 8), ("dynamic", 6, 16), ("dynamic", 8, 16), ("dynamic", 6, 32), ("dynamic", 8, 32),

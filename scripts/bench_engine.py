@@ -15,7 +15,7 @@ import time
 import torch
 import transformers
 
-from core.engine import Engine
+from specpilot.core.engine import Engine
 
 TARGET = dict(vocab_size=4096, hidden_size=384, intermediate_size=1024, num_hidden_layers=6, num_attention_heads=6,
               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)

@@ -31,7 +31,7 @@ CONFIGS = {
 def phases(db: Path) -> dict:
     """Seconds of the round and of its judging state, and how many candidates were judged."""
     sys.path.insert(0, str(ROOT))
-    from core.store import Store
+    from specpilot.core.store import Store
 
     store = Store(db, read_only=True)
     events = store.events(1)
@@ -54,7 +54,7 @@ def main() -> int:
     for name, extra in CONFIGS.items():
         with tempfile.TemporaryDirectory() as work:
             db = Path(work) / "store.db"
-            argv = [sys.executable, "-m", "core.cli", "run", "--rounds", "1", "--agents", "local:4", "--auto",
+            argv = [sys.executable, "-m", "specpilot.core.cli", "run", "--rounds", "1", "--agents", "local:4", "--auto",
                     "--headless", "--json", "--db", str(db), "--max-requests", str(args.max_requests),
                     "--max-new-tokens", str(args.max_new_tokens), "--seed", "0", *extra]
             load = os.getloadavg()[0]

@@ -27,4 +27,4 @@ if [ -z "$PY" ]; then
 fi
 
 export PYTHONUNBUFFERED=1
-exec timeout 290 "$PY" -m kernels.bench.gpu "$@"
+exec timeout 290 "$PY" -m specpilot.kernels.bench.gpu "$@"

@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
-from core import bench  # noqa: E402
-from core.batchbench import run_batched  # noqa: E402
-from core.deployment import Deployment  # noqa: E402
-from core.recipe import BatchingSection, RecipeError, builtin  # noqa: E402
+from specpilot.core import bench  # noqa: E402
+from specpilot.core.batchbench import run_batched  # noqa: E402
+from specpilot.core.deployment import Deployment  # noqa: E402
+from specpilot.core.recipe import BatchingSection, RecipeError, builtin  # noqa: E402
 
 
 def recipes(policies: tuple[str, ...] = ("budget",)) -> list:

@@ -47,7 +47,7 @@ def main() -> int:
     p.add_argument("--reference", default=None,
                    help="transformers' texts (scripts/load.py --make-reference) to count llama.cpp's drift against")
     args = p.parse_args()
-    from core.fetch import fetch
+    from specpilot.core.fetch import fetch
 
     paths = fetch("qwen-coder")
     bench = subprocess.run([str(REPO / ".venv" / "bin" / "specpilot"), "bench", "--target", paths["target"],

@@ -29,7 +29,7 @@ WORKLOAD = REPO / "workloads" / "coding_chat.jsonl"
 
 
 def requests(n: int) -> list:
-    from core import workload
+    from specpilot.core import workload
 
     return workload.load(str(WORKLOAD))[:n]
 
@@ -90,8 +90,8 @@ def make_reference(target_dir: str, n: int, max_tokens: int, path: str) -> None:
     import torch
     from transformers import AutoTokenizer
 
-    from core import workload
-    from core.hf import hf_model
+    from specpilot.core import workload
+    from specpilot.core.hf import hf_model
 
     tok = AutoTokenizer.from_pretrained(target_dir)
     model = hf_model(target_dir)

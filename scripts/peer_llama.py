@@ -9,7 +9,7 @@ import subprocess
 
 from real_pair import decode_seconds, load
 
-from core.recipe import builtin
+from specpilot.core.recipe import builtin
 
 pair = load(1, threads=1)
 ids, eng = pair.prompts[0], pair.engine

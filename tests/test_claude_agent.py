@@ -9,9 +9,9 @@ import anthropic
 import pytest
 from sse_server import SSEServer, error_event, max_tokens, overloaded, stream, truncated
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.claude import ClaudeAgent, MissingAPIKey, require_api_key
-from core.recipe import Recipe, builtin
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.claude import ClaudeAgent, MissingAPIKey, require_api_key
+from specpilot.core.recipe import Recipe, builtin
 
 KEY = "sk-ant-test-123"
 HEAD = ("TITLE: Deeper chain\nRATIONALE: Acceptance stays high at depth 6,\nso longer drafts pay.\n"

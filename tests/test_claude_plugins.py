@@ -10,11 +10,11 @@ import pytest
 from sse_server import SSEServer, stream
 
 import mini_deployment
-from core.cli import build_parser
-from core.loop import build_loop
-from core.store import Store
+from specpilot.core.cli import build_parser
+from specpilot.core.loop import build_loop
+from specpilot.core.store import Store
 
-PLUGIN = '''from core.mechanisms import register
+PLUGIN = '''from specpilot.core.mechanisms import register
 
 
 def length(depth: int, recent: list[int]) -> int:

@@ -8,18 +8,18 @@ import torch
 
 from tiny_models import repeating_prompts
 
-from core.cli import build_parser
-from core.costmodel import replay as rp
-from core.costmodel import trees
-from core.costmodel.predict import drafter_cost, predict, predict_detail
-from core.costmodel.probe import probe
-from core.costmodel.profile import Profile, interpolate, profile
-from core.costmodel.report import analyse
-from core.engine import Engine, tree_spec
-from core.engine.decode import Verification
-from core.engine.tree import chain_paths, static_prefixes
-from core.recipe import Recipe, builtin
-from kernels.cpu import skinny
+from specpilot.core.cli import build_parser
+from specpilot.core.costmodel import replay as rp
+from specpilot.core.costmodel import trees
+from specpilot.core.costmodel.predict import drafter_cost, predict, predict_detail
+from specpilot.core.costmodel.probe import probe
+from specpilot.core.costmodel.profile import Profile, interpolate, profile
+from specpilot.core.costmodel.report import analyse
+from specpilot.core.engine import Engine, tree_spec
+from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.tree import chain_paths, static_prefixes
+from specpilot.core.recipe import Recipe, builtin
+from specpilot.kernels.cpu import skinny
 
 LIMITS = [26, 17, 22, 30]
 FAKE_PROBE = {"bandwidth_gb_s": 20.0, "matmul_tflops": 0.1}
@@ -221,7 +221,7 @@ def test_cli_registers_profile_and_verify():
 
 def test_without_products_keeps_everything_but_the_weight_products(engine):
     """The dispatch probe's model runs the same ops minus the products (zero logits); the model is untouched."""
-    from core.costmodel.profile import without_products
+    from specpilot.core.costmodel.profile import without_products
 
     bare = without_products(engine.target)
     assert bare.layers[0].raw is engine.target.layers[0].raw and bare.matrix_bits == engine.target.matrix_bits
@@ -237,8 +237,8 @@ def test_timed_run_keeps_the_fastest_pass():
     """Load only adds time, so of several passes over the requests the breakdown uses the fastest."""
     from types import SimpleNamespace
 
-    from core.costmodel.profile import timed_run
-    from core.engine.decode import StepStats
+    from specpilot.core.costmodel.profile import timed_run
+    from specpilot.core.engine.decode import StepStats
 
     seconds = iter([0.0, 3.0, 4.0, 1.0, 1.5, 2.0, 9.0])  # warm-up, then three passes over two requests
 
@@ -254,7 +254,7 @@ def test_timed_run_keeps_the_fastest_pass():
 def test_profile_skips_what_does_not_fit_and_still_prices_drafter_formats(tiny_pair, monkeypatch):
     """With memory for the drafter's q8/q4 copies but not for a backend's packed target, the profile
     measures neither that backend's target nor its drafter (no copy is built), and still the formats."""
-    from core.engine import ram_budget
+    from specpilot.core.engine import ram_budget
 
     target_dir, drafter_dir, _ = tiny_pair
     engine = Engine.load(target_dir, drafter_dir)

@@ -9,15 +9,15 @@ import pytest
 import torch
 
 import mini_deployment
-from core.deployment import DEMO_DRAFTER, DEMO_TARGET
-from kernels.cpu import skinny
+from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
+from specpilot.kernels.cpu import skinny
 
 
 @pytest.mark.parametrize("model_dir", [DEMO_TARGET, DEMO_DRAFTER], ids=["target", "drafter"])
 def test_shipped_model_matches_transformers(model_dir):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from core.engine import Engine
+    from specpilot.core.engine import Engine
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
@@ -34,7 +34,7 @@ def test_shipped_model_matches_transformers(model_dir):
 
 def test_bench_json_fields(tmp_path):
     d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=6)
-    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
+    cmd = [sys.executable, "-m", "specpilot.core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
            "--workload", d["workload"], "--max-requests", "2", "--repeats", "1", "--recipes", "stock,ngram",
            "--quiet", "--json", "--dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
@@ -59,7 +59,7 @@ def test_bench_batched_json(tmp_path):
     d = mini_deployment.build(tmp_path, requests=3, max_new_tokens=6)
     onednn = tmp_path / "budget-onednn.toml"
     onednn.write_text('name = "budget-onednn"\n\n[batching]\npolicy = "budget"\n\n[runtime]\nlinear = "onednn"\n')
-    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
+    cmd = [sys.executable, "-m", "specpilot.core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
            "--workload", d["workload"], "--repeats", "1", "--recipes", f"stock,batch-budget,{onednn}",
            "--batch-sizes", "1,2", "--quiet", "--json", "--dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -77,7 +77,7 @@ def test_bench_batched_json(tmp_path):
 
 
 def test_bench_bad_input_is_one_line(tmp_path):
-    out = subprocess.run([sys.executable, "-m", "core.cli", "bench", "--target", str(tmp_path / "nope")],
+    out = subprocess.run([sys.executable, "-m", "specpilot.core.cli", "bench", "--target", str(tmp_path / "nope")],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0
@@ -86,7 +86,7 @@ def test_bench_bad_input_is_one_line(tmp_path):
 
 def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
     d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=6)
-    cmd = [sys.executable, "-m", "core.cli", "profile", "--target", d["target"], "--drafter", d["drafter"],
+    cmd = [sys.executable, "-m", "specpilot.core.cli", "profile", "--target", d["target"], "--drafter", d["drafter"],
            "--workload", d["workload"], "--max-requests", "2", "--dtype", "float32", "--predict", "ngram"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -107,11 +107,11 @@ def test_profile_prints_gaps_and_a_verify_curve_per_backend(tmp_path):
 def test_bench_refuses_two_recipes_of_one_name(tmp_path):
     """A bench keys its systems by recipe name: a second recipe of the same name would silently replace the
     first in the table, so it is refused before anything runs."""
-    from core.recipe import builtin
+    from specpilot.core.recipe import builtin
 
     dup = tmp_path / "stock-budget.toml"
     dup.write_text(builtin("stock").replace(batching={"policy": "budget"}).to_toml())  # still named "stock"
-    out = subprocess.run([sys.executable, "-m", "core.cli", "bench", "--recipes", f"stock,{dup}",
+    out = subprocess.run([sys.executable, "-m", "specpilot.core.cli", "bench", "--recipes", f"stock,{dup}",
                           "--max-requests", "1", "--repeats", "1"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2
     assert out.stderr.strip().count("\n") == 0

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from core.diffs import (
+from specpilot.core.diffs import (
     AllowList, DiffError, FileEdit, apply_edits, apply_search_replace, apply_unified_diff, make_unified_diff,
     parse_agent_output,
 )
-from core.recipe import builtin
+from specpilot.core.recipe import builtin
 
 ORIGINAL = "alpha\nbeta\ngamma\ndelta\nepsilon\n"
 ALLOW = AllowList(("recipe.toml", "plugins/*.py"))

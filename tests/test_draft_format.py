@@ -8,10 +8,10 @@ import pytest
 import torch
 
 import tiny_models
-from core.engine import Engine, draft_format
-from core.recipe import Recipe, RecipeError
+from specpilot.core.engine import Engine, draft_format
+from specpilot.core.recipe import Recipe, RecipeError
 
-q8_draft = pytest.importorskip("kernels.cpu.q8_draft")
+q8_draft = pytest.importorskip("specpilot.kernels.cpu.q8_draft")
 if not q8_draft.available():
     pytest.skip("the q8_draft kernel does not build here (no AVX2/FMA or no C compiler)", allow_module_level=True)
 
@@ -164,8 +164,8 @@ def test_smollm2_with_a_q4_copy_of_itself_as_drafter_is_lossless(smollm2_dir, on
     output, the target on its GGUF blocks."""
     from transformers import AutoTokenizer
 
-    from core.hf import hf_model
-    from core.workload import Request, encode
+    from specpilot.core.hf import hf_model
+    from specpilot.core.workload import Request, encode
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     prompts = [encode(tok, Request(str(i), p, 24, chat=True)) for i, p in

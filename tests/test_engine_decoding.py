@@ -6,9 +6,9 @@ import pytest
 import torch
 
 import tiny_models
-from core.engine import Engine
-from core.engine.model import Transformer
-from core.recipe import Recipe
+from specpilot.core.engine import Engine
+from specpilot.core.engine.model import Transformer
+from specpilot.core.recipe import Recipe
 
 POLICIES = {
     "chain": {"policy": "chain", "depth": 4},

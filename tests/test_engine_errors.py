@@ -6,8 +6,8 @@ import pytest
 import transformers
 
 import tiny_models
-from core.engine import Engine, GenerationError, ModelLoadError
-from core.recipe import Recipe, RecipeError
+from specpilot.core.engine import Engine, GenerationError, ModelLoadError
+from specpilot.core.recipe import Recipe, RecipeError
 
 
 def test_unsupported_architecture_names_supported_ones(tmp_path):
@@ -63,7 +63,7 @@ def test_prompt_over_context_refused_before_work(tmp_path):
 def test_model_drafter_without_checkpoint(tmp_path):
     """Without a drafter model, a recipe that drafts with one is refused in one line; the default (stock)
     is then prompt lookup, and it is still lossless."""
-    from core.recipe import builtin
+    from specpilot.core.recipe import builtin
 
     tiny_models.build(tmp_path)
     engine = Engine.load(tmp_path)

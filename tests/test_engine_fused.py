@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import tiny_models
-from core.engine import Engine
-from core.engine.config import ModelLoadError
-from core.engine.fused import FusedTransformer
-from core.engine.linear import linear_transformer
-from core.recipe import Recipe
-from kernels.cpu import skinny
+from specpilot.core.engine import Engine
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.fused import FusedTransformer
+from specpilot.core.engine.linear import linear_transformer
+from specpilot.core.recipe import Recipe
+from specpilot.kernels.cpu import skinny
 
 pytestmark = pytest.mark.skipif(not skinny.available(), reason="no AVX2+FMA or no C compiler")
 FUSED = {"runtime": {"linear": "fused"}}
@@ -119,7 +119,7 @@ def test_wide_steps_take_the_torch_path_and_agree(pair_engine, one_thread):
 
 def test_dispatch_probe_skips_the_products(pair_engine, one_thread):
     """The bare copy runs the C layers without products (zero logits); the fused model itself is untouched."""
-    from core.costmodel.profile import without_products
+    from specpilot.core.costmodel.profile import without_products
 
     fused = linear_transformer(pair_engine.target, "fused")
     bare = without_products(fused)

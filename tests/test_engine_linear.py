@@ -6,11 +6,11 @@ import pytest
 import torch
 
 import tiny_models
-from core import forcing
-from core.engine import Engine
-from core.engine.config import ModelLoadError
-from core.recipe import Recipe, RecipeError
-from kernels.cpu import skinny
+from specpilot.core import forcing
+from specpilot.core.engine import Engine
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.recipe import Recipe, RecipeError
+from specpilot.kernels.cpu import skinny
 
 ONEDNN = {"runtime": {"linear": "onednn"}}
 BACKENDS = [

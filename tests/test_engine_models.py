@@ -4,8 +4,8 @@ import pytest
 import torch
 
 import tiny_models
-from core.engine import Engine
-from core.engine.model import Transformer
+from specpilot.core.engine import Engine
+from specpilot.core.engine.model import Transformer
 
 
 @pytest.mark.parametrize("arch", sorted(tiny_models.ARCHS))

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 import tiny_models
-from core.engine import Engine
-from core.engine.weights import WeightFormatError
-from core.recipe import Recipe
+from specpilot.core.engine import Engine
+from specpilot.core.engine.weights import WeightFormatError
+from specpilot.core.recipe import Recipe
 
 
 def test_packed12_greedy_equals_native(tmp_path):

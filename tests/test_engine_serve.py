@@ -2,10 +2,10 @@
 
 import pytest
 
-from core.engine import Engine
-from core.engine.serve import CostTable, Policy, allocate, expected_accepted, measure_costs, serve
-from core.engine.tree import chain_paths
-from core.engine.drafters import TreeSpec
+from specpilot.core.engine import Engine
+from specpilot.core.engine.serve import CostTable, Policy, allocate, expected_accepted, measure_costs, serve
+from specpilot.core.engine.tree import chain_paths
+from specpilot.core.engine.drafters import TreeSpec
 
 
 def workload(n=7, vocab=101):
@@ -45,7 +45,7 @@ def test_serve_equals_single_request_ar(setup, policy, batch):
 def test_serve_ar_and_ngram(setup):
     engine, prompts, limits, reference, _ = setup
     assert serve(engine.target, None, prompts, limits, None, max_batch=3).tokens == reference
-    from core.recipe import Recipe
+    from specpilot.core.recipe import Recipe
 
     ngram = engine.drafter_for(Recipe.from_dict({"draft": {"method": "ngram"}}))
     out = serve(engine.target, ngram, prompts, limits, TreeSpec("static", chain_paths(5)), max_batch=4)
@@ -53,7 +53,7 @@ def test_serve_ar_and_ngram(setup):
 
 
 def engine_recipe():
-    from core.recipe import builtin
+    from specpilot.core.recipe import builtin
 
     return builtin("stock")
 
@@ -92,7 +92,7 @@ def test_long_prompt_joining_late_fits_the_cache(setup):
 def test_each_recipe_is_priced_with_its_own_cost_table(setup):
     """Policies price a step with the recipe's own target and drafter: n-gram drafting costs nothing, the
     model drafter its forward; tables are measured once per mechanism and batch size."""
-    from core.recipe import Recipe
+    from specpilot.core.recipe import Recipe
 
     engine, prompts, limits, reference, _ = setup
     ngram = Recipe.from_dict({"draft": {"method": "ngram"}, "tree": {"policy": "dynamic", "depth": 6, "budget": 10},
@@ -110,7 +110,7 @@ def test_each_recipe_is_priced_with_its_own_cost_table(setup):
 def test_policies_price_the_step_overhead_they_observe():
     """A per-step overhead every depth pays makes deeper drafts pay (depth 0 wins on the forward alone, depth
     2 once 20 ms per step is priced in); an overhead that grows with depth is learned per depth."""
-    from core.engine.serve import best_uniform_depth
+    from specpilot.core.engine.serve import best_uniform_depth
 
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
     assert best_uniform_depth(table, 2, 0.5, max_depth=2) == 0
@@ -129,7 +129,7 @@ def test_policies_price_the_step_overhead_they_observe():
 
 
 def test_acceptance_is_estimated_per_tested_token():
-    from core.engine.serve import acceptance_sample
+    from specpilot.core.engine.serve import acceptance_sample
 
     assert acceptance_sample(3, 4) == 0.75  # 3 accepted, the 4th tested and rejected
     assert acceptance_sample(4, 4) == 1.0
@@ -141,7 +141,7 @@ def test_acceptance_is_estimated_per_tested_token():
 def test_a_policy_that_stops_drafting_still_probes():
     """Depth 0 learns no acceptance, so after PROBE_EVERY undrafted steps one step drafts a token per row;
     each probe that changes nothing doubles the wait for the next, up to PROBE_MAX."""
-    from core.engine.serve import PROBE_EVERY, PROBE_MAX
+    from specpilot.core.engine.serve import PROBE_EVERY, PROBE_MAX
 
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
     policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
@@ -175,7 +175,7 @@ def _reason(tokens: list[int], eos: set[int]) -> str:
 def test_scheduler_requests_join_and_leave_between_steps(setup):
     """Requests added while others are in flight, more than the rows hold: each one's tokens are its own
     single-request AR output, and each ends once, with the reason it ended."""
-    from core.recipe import builtin
+    from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=3, max_len=max(len(p) + n for p, n in zip(prompts, limits)))
@@ -202,7 +202,7 @@ def test_scheduler_requests_join_and_leave_between_steps(setup):
 
 
 def test_abort_frees_the_row_at_once_and_the_next_request_takes_it(setup):
-    from core.recipe import builtin
+    from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=64)
@@ -222,8 +222,8 @@ def test_abort_frees_the_row_at_once_and_the_next_request_takes_it(setup):
 
 
 def test_scheduler_refuses_what_its_context_cannot_hold(setup):
-    from core.engine.decode import GenerationError
-    from core.recipe import builtin
+    from specpilot.core.engine.decode import GenerationError
+    from specpilot.core.recipe import builtin
 
     engine, *_ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=40)
@@ -237,8 +237,8 @@ def test_scheduler_refuses_what_its_context_cannot_hold(setup):
 def test_greedy_and_seeded_requests_share_steps_and_each_equals_its_own_ar(setup):
     """Rows verifying differently in one step (greedy, and seeded at two temperatures and seeds): each
     request's tokens are exactly its own single-request AR output under its own rule."""
-    from core.engine.decode import Verification, generate
-    from core.recipe import builtin
+    from specpilot.core.engine.decode import Verification, generate
+    from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=4, max_len=64)
@@ -262,7 +262,7 @@ def test_greedy_and_seeded_requests_share_steps_and_each_equals_its_own_ar(setup
 
 
 def test_a_request_whose_prefill_fails_ends_alone(setup, monkeypatch):
-    from core.recipe import builtin
+    from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=3, max_len=64)
@@ -289,8 +289,8 @@ def test_a_request_whose_prefill_fails_ends_alone(setup, monkeypatch):
 
 
 def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(setup, monkeypatch):
-    from core.engine import serve as serve_mod
-    from core.recipe import builtin
+    from specpilot.core.engine import serve as serve_mod
+    from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=64)

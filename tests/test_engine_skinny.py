@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 
 import tiny_models
-from core import forcing
-from core.costmodel.profile import weight_bytes
-from core.engine import Engine
-from core.engine.config import ModelLoadError
-from core.engine.linear import SKINNY_MAX_ROWS
-from core.recipe import Recipe
-from kernels.cpu import skinny
+from specpilot.core import forcing
+from specpilot.core.costmodel.profile import weight_bytes
+from specpilot.core.engine import Engine
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.linear import SKINNY_MAX_ROWS
+from specpilot.core.recipe import Recipe
+from specpilot.kernels.cpu import skinny
 
 SKINNY = {"runtime": {"linear": "skinny"}}
 
@@ -90,7 +90,7 @@ def test_a_damaged_cached_build_is_rebuilt(tmp_path):
     import subprocess
     import sys
 
-    code = ("import torch; from kernels.cpu import skinny; "
+    code = ("import torch; from specpilot.kernels.cpu import skinny; "
             "print(skinny.SkinnyWeight(torch.eye(8))(torch.arange(8.0)[None]).tolist())")
     env = {**os.environ, "SPECPILOT_CACHE_DIR": str(tmp_path)}
     first = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
@@ -149,19 +149,19 @@ def test_skinny_refusals(tmp_path, monkeypatch):
 
 @needs_kernel
 def test_kernel_benchmark_cli(tiny_pair, tmp_path):
-    """`python -m kernels.cpu.skinny DIR` times every 2-D weight per row count; a directory without weights is a
+    """`python -m specpilot.kernels.cpu.skinny DIR` times every 2-D weight per row count; a directory without weights is a
     one-line error."""
     import subprocess
     import sys
 
     target_dir, _, _ = tiny_pair
-    out = subprocess.run([sys.executable, "-m", "kernels.cpu.skinny", str(target_dir), "--rows", "1,4", "--repeats", "1"],
+    out = subprocess.run([sys.executable, "-m", "specpilot.kernels.cpu.skinny", str(target_dir), "--rows", "1,4", "--repeats", "1"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-1000:]
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["rows", "torch", "skinny"]
     assert [line.split()[0] for line in lines[1:]] == ["1", "4"]
     assert all(float(v) > 0 for line in lines[1:] for v in line.split()[1:])
-    empty = subprocess.run([sys.executable, "-m", "kernels.cpu.skinny", str(tmp_path)], capture_output=True, text=True,
+    empty = subprocess.run([sys.executable, "-m", "specpilot.kernels.cpu.skinny", str(tmp_path)], capture_output=True, text=True,
                            timeout=120)
     assert empty.returncode == 2 and empty.stderr.count("\n") == 1 and "no 2-D weights" in empty.stderr

@@ -11,17 +11,17 @@ from typing import Any
 
 import pytest
 
-from app.app import SpecPilotApp, build_parser
-from app.state import DashboardState
-from app.widgets.forcing import ForcingTable
-from app.widgets.header import StatusLine
-from core import events as ev
-from core.deployment import Deployment
-from core.judge import Judge, JudgeRequest
-from core.loop.headless import line_for
-from core.loop.record import EventLog
-from core.recipe import stock
-from core.store.db import Store
+from specpilot.app.app import SpecPilotApp, build_parser
+from specpilot.app.state import DashboardState
+from specpilot.app.widgets.forcing import ForcingTable
+from specpilot.app.widgets.header import StatusLine
+from specpilot.core import events as ev
+from specpilot.core.deployment import Deployment
+from specpilot.core.judge import Judge, JudgeRequest
+from specpilot.core.loop.headless import line_for
+from specpilot.core.loop.record import EventLog
+from specpilot.core.recipe import stock
+from specpilot.core.store.db import Store
 
 
 @pytest.fixture(autouse=True)
@@ -138,7 +138,7 @@ def test_an_old_store_replays_and_what_does_not_parse_is_a_notice(tmp_path: Path
 
 
 def test_headless_output_skips_what_does_not_parse(capsys: pytest.CaptureFixture[str]) -> None:
-    from core.loop.headless import stderr_progress
+    from specpilot.core.loop.headless import stderr_progress
 
     stderr_progress(ev.Event("budget_spent", {"minutes": 3}))
     stderr_progress(ev.Event.of(ev.CandidateFailed("1-r1-c2", "runtime", "no diff")))

@@ -21,12 +21,12 @@ from pathlib import Path
 import pytest
 
 import mini_deployment
-from core.cli import main
-from core.deployment import Deployment
-from core.executors import ExecutorError, make_executor
-from core.judge import Judge, diff_applies
-from core.recipe import builtin
-from core.setup import prepare
+from specpilot.core.cli import main
+from specpilot.core.deployment import Deployment
+from specpilot.core.executors import ExecutorError, make_executor
+from specpilot.core.judge import Judge, diff_applies
+from specpilot.core.recipe import builtin
+from specpilot.core.setup import prepare
 
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
@@ -139,7 +139,7 @@ def test_unreachable_ray_address_is_one_line(capsys, tmp_path):
 
 def test_ray_not_installed_is_one_line(tmp_path):
     """With `ray` unimportable (as on an install without the [ray] extra) the CLI says how to get it."""
-    code = ("import sys; sys.modules['ray'] = None\nfrom core.cli import main\n"
+    code = ("import sys; sys.modules['ray'] = None\nfrom specpilot.core.cli import main\n"
             f"sys.exit(main(['run', '--auto', '--headless', '--db', {str(tmp_path / 's.db')!r}, '--executor', 'ray']))")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     lines = proc.stderr.strip().splitlines()
@@ -156,7 +156,7 @@ def test_ray_devices_must_be_a_count(setting):
 # -- the applies gate: the diff, applied to a clean workspace, makes what is judged ---------------------
 
 def test_applies_gate_checks_the_diff_against_a_clean_workspace(setting, tmp_path):
-    from core.diffs import DiffError, make_unified_diff
+    from specpilot.core.diffs import DiffError, make_unified_diff
 
     stock = builtin("stock")
     new = stock.replace(tree={"policy": "plugin:fast_clock"})
@@ -296,7 +296,7 @@ def run_cli(built: dict, db: Path, *extra: str) -> dict:
             "--auto", "--headless", "--json", "--seed", "3", *extra]
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
     env.pop("ANTHROPIC_API_KEY", None)
-    proc = subprocess.run([sys.executable, "-m", "core.cli", *argv], cwd=db.parent, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-m", "specpilot.core.cli", *argv], cwd=db.parent, capture_output=True, text=True,
                           env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
@@ -308,7 +308,7 @@ CLOCK_FREE = ("applies", "smoke", "forcing")  # gates whose verdict no clock dec
 def stored(db: Path) -> tuple[dict, list]:
     """Per candidate: what was proposed, its clock-free gates, its forcing result and the requests its tuning
     A/B timed; and every gate event in stored order."""
-    from core.store import Store
+    from specpilot.core.store import Store
 
     store = Store(db, read_only=True)
     rnd = store.list_rounds(1)[0]
@@ -351,7 +351,7 @@ def verdicts(judge: Judge, trials: list, parallel: bool) -> list[dict]:
 def test_ray_stores_the_same_verdicts_as_the_local_executor(setting, cluster, monkeypatch):
     """The same candidates (a recipe, and a plugin with its diff), the same seed: one after the other on the
     local executor, at the same time on Ray's two devices; the same gates, forcing results and requests."""
-    from core.diffs import make_unified_diff
+    from specpilot.core.diffs import make_unified_diff
 
     root, _, deployment, _, _ = setting
     stock = builtin("stock")
@@ -375,7 +375,7 @@ def test_ray_stores_the_same_verdicts_as_the_local_executor(setting, cluster, mo
 def test_an_evaluation_in_another_thread_reports_and_obeys_cancellation_as_the_loop_does():
     """The loop judges on several devices from a thread pool: those threads' steps reach the loop's reporter,
     and stopping the run cancels them at their next request (progress.carried)."""
-    from core import progress
+    from specpilot.core import progress
 
     seen: list[str] = []
     stop = threading.Event()

@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from core.cli import main, run_incumbent
-from core.deployment import DEMO_DRAFTER, DEMO_TARGET, Deployment
-from core.engine import Engine
-from core.recipe import Recipe, RecipeError
-from core.store import Store
+from specpilot.core.cli import main, run_incumbent
+from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET, Deployment
+from specpilot.core.engine import Engine
+from specpilot.core.recipe import Recipe, RecipeError
+from specpilot.core.store import Store
 
 
 def stored(tmp_path, *incumbents: dict, deployment: Deployment | None = None) -> tuple[str, int]:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from core import cli
-from core import fetch as fetch_mod
-from core.fetch import DEPLOYMENTS, DeploymentSpec, FetchError, ModelSpec, fetch
+from specpilot.core import cli
+from specpilot.core import fetch as fetch_mod
+from specpilot.core.fetch import DEPLOYMENTS, DeploymentSpec, FetchError, ModelSpec, fetch
 
 VERSION = "1.0"
 

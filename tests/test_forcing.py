@@ -6,9 +6,9 @@ import torch
 from conftest import register_test_plugin
 from tiny_models import repeating_prompts
 
-from core import forcing
-from core.engine.decode import Verification
-from core.recipe import Recipe
+from specpilot.core import forcing
+from specpilot.core.engine.decode import Verification
+from specpilot.core.recipe import Recipe
 
 LIMITS = [24, 17, 20, 28]
 HONEST = {

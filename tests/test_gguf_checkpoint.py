@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from core.engine import Engine
-from core.engine.gguf_checkpoint import GGUFError, hf_config, materialise, reader
+from specpilot.core.engine import Engine
+from specpilot.core.engine.gguf_checkpoint import GGUFError, hf_config, materialise, reader
 
 
 @pytest.fixture(scope="module")
@@ -25,7 +25,7 @@ def hf_from_gguf(smollm2_gguf):
 
 
 def test_weights_bitwise_equal_to_transformers_gguf_load(smollm2_dir, hf_from_gguf):
-    from core.engine.loader import load_state_dict
+    from specpilot.core.engine.loader import load_state_dict
 
     ours = load_state_dict(smollm2_dir)
     theirs = hf_from_gguf[0].state_dict()
@@ -49,7 +49,7 @@ def test_config_matches_transformers(smollm2_dir, hf_from_gguf):
 def test_tokenizer_and_chat_template_match(smollm2_dir, hf_from_gguf):
     from transformers import AutoTokenizer
 
-    from core.workload import Request, encode
+    from specpilot.core.workload import Request, encode
 
     ours = AutoTokenizer.from_pretrained(str(smollm2_dir))
     theirs = hf_from_gguf[1]
@@ -116,7 +116,7 @@ def test_bad_files_fail_in_one_line(tmp_path, smollm2_gguf):
 
 
 def test_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
-    from core.cli import main
+    from specpilot.core.cli import main
 
     wrong = tmp_path / "model.gguf"
     wrong.write_bytes(b"nope" * 10)
@@ -127,7 +127,7 @@ def test_cli_reports_a_bad_gguf_in_one_line(tmp_path, capsys):
 
 def test_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2_gguf):
     """A half-written cache entry (no completion marker) is never used: it is rebuilt."""
-    from core.engine import gguf_checkpoint as g
+    from specpilot.core.engine import gguf_checkpoint as g
 
     monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path))
     small = tmp_path / "tiny.gguf"
@@ -153,7 +153,7 @@ def test_a_corrupt_cache_is_rebuilt(tmp_path, monkeypatch, smollm2_gguf):
 def test_a_build_finished_meanwhile_by_another_process_is_kept(tmp_path) -> None:
     """Two processes materialising the same file: the second to finish keeps the first one's complete
     directory (readers may have it memory-mapped) and drops its own copy; an incomplete one is replaced."""
-    from core.engine import gguf_checkpoint as g
+    from specpilot.core.engine import gguf_checkpoint as g
 
     out = tmp_path / "abcd"
     out.mkdir()

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from kernels.reference import gguf_ref
-from kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, random_blocks
+from specpilot.kernels.reference import gguf_ref
+from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, random_blocks
 
 REPO = Path(__file__).resolve().parents[1]
 QUANTS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
@@ -39,7 +39,7 @@ def bits(t: torch.Tensor | np.ndarray) -> torch.Tensor:
 
 
 def blocks_kernel():
-    from kernels.cpu import gguf_blocks
+    from specpilot.kernels.cpu import gguf_blocks
 
     if not gguf_blocks.available():
         pytest.skip("the AVX2 GGUF kernel cannot build or run here")
@@ -93,7 +93,7 @@ def test_real_blocks_bit_exact(model: str, request: pytest.FixtureRequest) -> No
     tests; Q4_1, Q8_0), and the Qwen 0.5B (Q5_0, Q8_0, Q6_K, Q4_K) where `specpilot fetch qwen-coder` put it."""
     gq = gguf_quants()
     import gguf
-    from kernels import cache_dir
+    from specpilot.kernels import cache_dir
 
     if model == "smollm2":
         path = Path(request.getfixturevalue("smollm2_gguf"))
@@ -213,7 +213,7 @@ def test_unsupported_type_is_a_one_line_value_error() -> None:
 def test_bench_cli_on_a_tiny_gguf_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     blocks_kernel()
     gguf = pytest.importorskip("gguf")
-    from kernels.bench.gguf_cpu import main
+    from specpilot.kernels.bench.gguf_cpu import main
 
     path = tmp_path / "tiny.gguf"
     w = gguf.GGUFWriter(str(path), "llama")
@@ -232,7 +232,7 @@ def test_bench_cli_on_a_tiny_gguf_file(tmp_path: Path, capsys: pytest.CaptureFix
     capsys.readouterr()
 
     # the command the records cite, as a script would run it
-    done = subprocess.run([sys.executable, "-m", "kernels.gguf_blocks", "--bench", str(path), "--rows", "1,5",
+    done = subprocess.run([sys.executable, "-m", "specpilot.kernels.gguf_blocks", "--bench", str(path), "--rows", "1,5",
                            "--repeats", "1", "--threads", "1", "--no-fp32", "--parts", "--json"],
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
@@ -264,9 +264,9 @@ def test_the_c_traits_table_is_the_reference_table_and_gguf_py_s() -> None:
 
 INTERPRETER_CHECK = r"""
 import json, numpy as np, torch
-from kernels.reference import gguf_ref
-from kernels.reference.gguf_ref import random_blocks
-from kernels.gpu.gguf_triton import INTERPRETING, GGUFTritonMatrix, matmul
+from specpilot.kernels.reference import gguf_ref
+from specpilot.kernels.reference.gguf_ref import random_blocks
+from specpilot.kernels.gpu.gguf_triton import INTERPRETING, GGUFTritonMatrix, matmul
 assert INTERPRETING, "TRITON_INTERPRET=1 did not reach triton"
 results = []
 cases = [("F32", 9, 40, None), ("F16", 9, 40, None), ("Q4_1", 20, 96, None), ("Q5_0", 17, 96, 64),
@@ -316,7 +316,7 @@ def test_triton_kernel_under_interpreter() -> None:
 def test_gpu_bench_smoke_under_interpreter() -> None:
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.gguf_gpu", "--smoke"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "specpilot.kernels.bench.gguf_gpu", "--smoke"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness: all checks passed" in proc.stdout
@@ -325,7 +325,7 @@ def test_gpu_bench_smoke_under_interpreter() -> None:
 
 AOT_CHECK = r"""
 import re
-from kernels.gpu.gguf_triton import compile_ahead
+from specpilot.kernels.gpu.gguf_triton import compile_ahead
 for q in ("F32", "F16", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"):
     ptx = compile_ahead(q)["ptx"]
     assert ".target sm_90" in ptx, q

@@ -1,8 +1,16 @@
-"""Layering: the core and the kernels never import the UI toolkit (Harlequin-style), and the judge never
-imports agent code (what applies a candidate's diff lives in core, beside the judge)."""
+"""Layering: the core and the kernels never import the UI toolkit (Harlequin-style), the judge never
+imports agent code (what applies a candidate's diff lives in core, beside the judge), and everything is
+installed under the one `specpilot` namespace (no generic top-level core/app/kernels/themes module)."""
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+
+from specpilot.core.engine.plugins import PluginError, load_workspace
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +32,9 @@ def test_core_and_kernels_do_not_import_textual_or_app():
     files = list((ROOT / "core").rglob("*.py")) + list((ROOT / "kernels").rglob("*.py"))
     assert len(files) > 10
     for path in files:
-        bad = imported_modules(path) & {"textual", "textual_plotext", "app", "rich"}
+        full = imported_modules(path, full=True)
+        bad = {m.split(".")[0] for m in full} & {"textual", "textual_plotext", "rich"}
+        bad |= {m for m in full if m == "specpilot.app" or m.startswith("specpilot.app.")}
         if bad:
             offenders.append(f"{path.relative_to(ROOT)} imports {sorted(bad)}")
     assert not offenders, offenders
@@ -39,6 +49,55 @@ def test_checker_detects_a_textual_import(tmp_path):
 def test_the_judge_imports_no_agent_code():
     judged = [ROOT / "core" / "judge.py", ROOT / "core" / "workers.py", ROOT / "core" / "forcing.py"]
     for path in judged:
-        agents = {m for m in imported_modules(path, full=True) if m.startswith("core.agents")}
+        agents = {m for m in imported_modules(path, full=True) if m.startswith("specpilot.core.agents")}
         assert not agents, f"{path.relative_to(ROOT)} imports {sorted(agents)}"
-    assert "core.diffs" in imported_modules(judged[0], full=True)
+    assert "specpilot.core.diffs" in imported_modules(judged[0], full=True)
+
+
+def test_no_file_imports_the_old_top_level_names():
+    """From the repo root `import core` still resolves to ./core, a second copy of every module: one missed
+    rename would pass here and break in an installed package."""
+    files = [p for d in ("core", "app", "kernels", "themes", "tests", "scripts") for p in (ROOT / d).rglob("*.py")]
+    assert len(files) > 100
+    offenders = [f"{p.relative_to(ROOT)}: {sorted(bad)}" for p in files
+                 if (bad := imported_modules(p) & {"core", "app", "kernels", "themes"})]
+    assert not offenders, offenders
+
+
+def test_the_installed_package_adds_no_generic_top_level_module(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    probe = ("import importlib.util as u, specpilot.core.cli, specpilot.app.app, specpilot.kernels.cpu.gguf_blocks;"
+             "print([n for n in ('core', 'app', 'kernels', 'themes') if u.find_spec(n) is not None])")
+    out = subprocess.run([sys.executable, "-c", probe], cwd=tmp_path, env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def _workspace(tmp_path: Path, source: str) -> Path:
+    (tmp_path / "plugins").mkdir()
+    (tmp_path / "plugins" / "lengthy.py").write_text(source)
+    return tmp_path
+
+
+PLUGIN = """{imp}
+
+def keep(depth, recent):
+    return depth
+
+register("draft_length", "ns_probe_{tag}", keep)
+"""
+
+
+def test_a_plugin_importing_the_old_names_gets_a_clear_error(tmp_path):
+    ws = _workspace(tmp_path, PLUGIN.format(imp="from core.mechanisms import register", tag="old"))
+    with pytest.raises(PluginError, match=r"lengthy.py imports core.mechanisms; .*specpilot.core.mechanisms"):
+        load_workspace(ws)
+
+
+def test_a_plugin_importing_the_namespace_loads(tmp_path):
+    from specpilot.core.mechanisms import lookup
+
+    ws = _workspace(tmp_path, PLUGIN.format(imp="from specpilot.core.mechanisms import register", tag="new"))
+    assert load_workspace(ws) == ["lengthy"]
+    assert lookup("draft_length", "plugin:ns_probe_new")(4, []) == 4

@@ -18,10 +18,10 @@ import pytest
 
 import mini_deployment
 from conftest import register_test_plugin
-from core.deployment import Deployment
-from core.judge import Judge, Worker
-from core.recipe import builtin
-from core.setup import prepare
+from specpilot.core.deployment import Deployment
+from specpilot.core.judge import Judge, Worker
+from specpilot.core.recipe import builtin
+from specpilot.core.setup import prepare
 
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 LIMIT_S = 5.0
@@ -102,7 +102,7 @@ def assert_no_candidate_code_imported(*workspaces: Path) -> None:
         assert not name.startswith("specpilot_plugin_"), name
         path = getattr(module, "__file__", None) or ""
         assert not any(str(Path(path).resolve()).startswith(r) for r in roots if path), (name, path)
-    from core.mechanisms import names
+    from specpilot.core.mechanisms import names
 
     assert not set(names("tree_policy")) & {"plugin:hang", "plugin:crash_exit", "plugin:fast_clock",
                                              "plugin:fake_stats"}

@@ -17,12 +17,12 @@ from pathlib import Path
 import pytest
 
 import mini_deployment
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.cli import main
-from core.loop import Loop, LoopConfig, Pending, is_rejection
-from core.recipe import builtin
-from core.store import Store
-from core.store.db import process_gone
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.cli import main
+from specpilot.core.loop import Loop, LoopConfig, Pending, is_rejection
+from specpilot.core.recipe import builtin
+from specpilot.core.store import Store
+from specpilot.core.store.db import process_gone
 
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = "fused backend not allowed in prod"
@@ -42,7 +42,7 @@ def run_argv(mini: dict, db: Path, *extra: str, rounds: int = 3) -> list[str]:
 def cli(*argv: str, cwd: Path) -> subprocess.Popen:
     """This checkout's `specpilot` in a subprocess of its own session (so a signal reaches it alone)."""
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)}
-    return subprocess.Popen([sys.executable, "-m", "core.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "specpilot.core.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
 
 
@@ -127,7 +127,7 @@ def test_sigint_closes_the_run_as_interrupted_reaps_workers_and_resume_finishes_
 
 def test_a_killed_run_reads_interrupted_and_the_next_writer_marks_it(tmp_path):
     db = tmp_path / "store.db"
-    script = ("import sys; from core.store import Store; s = Store(sys.argv[1]); r = s.create_run({}, {}); "
+    script = ("import sys; from specpilot.core.store import Store; s = Store(sys.argv[1]); r = s.create_run({}, {}); "
               "done = s.start_round(r, 1, {}); s.finish_round(done, {'heldout_speedup_vs_ar': 1.5}); "
               "s.start_round(r, 2, {})")
     subprocess.run([sys.executable, "-c", script, str(db)], check=True, cwd=ROOT)
@@ -209,7 +209,7 @@ def test_runs_and_show_work_on_a_read_only_filesystem(tmp_path):
     probe = subprocess.run(["unshare", "-rm", "true"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("no user namespaces here to mount a read-only filesystem")
-    python = f"{sys.executable} -m core.cli"
+    python = f"{sys.executable} -m specpilot.core.cli"
     script = (f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder} && "
               f"! touch {folder}/probe 2>/dev/null && {python} runs --db {folder}/store.db && "
               f"{python} show 1 --db {folder}/store.db")
@@ -230,7 +230,7 @@ def test_a_run_refused_before_it_starts_leaves_no_run(mini, tmp_path, capsys):
 
 def test_claude_agents_without_a_key_are_one_line(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "ANTHROPIC_API_KEY"}
-    proc = subprocess.run([sys.executable, "-m", "core.cli", "run", "--agents", "claude:2", "--auto", "--headless",
+    proc = subprocess.run([sys.executable, "-m", "specpilot.core.cli", "run", "--agents", "claude:2", "--auto", "--headless",
                            "--db", str(tmp_path / "s.db")], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2
@@ -263,8 +263,8 @@ def test_a_rejection_is_remembered_and_a_repeat_is_not_judged(tmp_path):
 
 
 def test_every_agent_kind_sees_the_note(tmp_path):
-    from core.agents.claude import build_system_prefix
-    from core.agents.local import LocalAgent, Option
+    from specpilot.core.agents.claude import build_system_prefix
+    from specpilot.core.agents.local import LocalAgent, Option
 
     stock = builtin("stock")
     entry = {"mechanism": "linear backend fused", "fragment": {"runtime": {"linear": "fused"}},
@@ -276,7 +276,7 @@ def test_every_agent_kind_sees_the_note(tmp_path):
     base = Option("stock", stock, 2.0, 100.0)
     options = [Option("fused", stock.replace(runtime={"linear": "fused"}), 2.0, 200.0),
                Option("skinny", stock.replace(runtime={"linear": "skinny"}), 2.0, 150.0)]
-    from core.agents.local import Stream
+    from specpilot.core.agents.local import Stream
 
     out = agent.finish(ctx, base, options, "backend", Stream(chunks.append), "{best.label}")
     assert isinstance(out, Candidate) and out.title == "skinny"
@@ -296,7 +296,7 @@ def test_show_marks_a_half_done_round_as_not_counted(tmp_path, capsys):
 
 
 def test_a_claude_reply_can_say_what_differs_from_a_rejection(tmp_path):
-    from core.agents.claude import ClaudeAgent
+    from specpilot.core.agents.claude import ClaudeAgent
 
     stock = builtin("stock")
     reply = ("TITLE: fused again\nRATIONALE: x\nPREDICTED_SPEEDUP: 1.2\nDIFFERS: only on the drafter this time\n\n"

@@ -7,15 +7,15 @@ from typing import Any
 
 import pytest
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.claude import ClaudeAgent, MissingAPIKey
-from core.diffs import apply_unified_diff
-from core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, MemoryAgent, RuntimeAgent,
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.claude import ClaudeAgent, MissingAPIKey
+from specpilot.core.diffs import apply_unified_diff
+from specpilot.core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, MemoryAgent, RuntimeAgent,
                                TreeShapeAgent, WeightFormatAgent, DrafterFormatAgent, draft_nodes)
-from core.agents.registry import directions, local_agents_for, make_agents, parse_agents
-from core.costmodel import trees
-from core.engine.tree import static_prefixes
-from core.recipe import Recipe, builtin
+from specpilot.core.agents.registry import directions, local_agents_for, make_agents, parse_agents
+from specpilot.core.costmodel import trees
+from specpilot.core.engine.tree import static_prefixes
+from specpilot.core.recipe import Recipe, builtin
 
 RANKS = {"model": [0.6, 0.15, 0.08, 0.05], "ngram": [0.5], "early_exit:1": [0.3, 0.1, 0.05],
          "early_exit:2": [0.5, 0.15, 0.07]}
@@ -309,8 +309,8 @@ def real_tools(tiny_pair: Any) -> Any:
     """CostTools over the tiny target/drafter pair (one intra-op thread: the CPU is shared)."""
     import torch
 
-    from core.costmodel.tools import CostTools
-    from core.engine import Engine
+    from specpilot.core.costmodel.tools import CostTools
+    from specpilot.core.engine import Engine
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -353,7 +353,7 @@ def test_real_cost_tools_answer_agents(real_tools: Any, tmp_path: Path) -> None:
 def test_cost_tools_replay_a_plugin_incumbents_drafter_with_stand_ins(real_tools: Any) -> None:
     """A round whose incumbent carries a plugin (the loop never imports candidate code) still replays its
     drafter model: the knob agents of the real pair's second round failed on this."""
-    from core.costmodel.tools import CostTools
+    from specpilot.core.costmodel.tools import CostTools
 
     tools = real_tools
     plugged = builtin("stock").replace(draft={"length": "plugin:adaptive_w2_m0"})

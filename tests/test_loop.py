@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 import mini_deployment
-from core.cli import main
-from core.events import GATES
-from core.recipe import Recipe
-from core.store import Store
+from specpilot.core.cli import main
+from specpilot.core.events import GATES
+from specpilot.core.recipe import Recipe
+from specpilot.core.store import Store
 
 ROOT = Path(__file__).resolve().parent.parent
 CANDIDATE_KEYS = {"agent", "title", "gates", "verdict", "reason", "heldout_speedup", "interval"}
@@ -40,7 +40,7 @@ def run_argv(mini: dict, db: Path, *extra: str, rounds: int = 1, agents: str = "
 
 def cli(*argv: str, cwd: Path) -> subprocess.Popen:
     """This checkout's `specpilot` (an installed console script may belong to another checkout)."""
-    return subprocess.Popen([sys.executable, "-m", "core.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, "-m", "specpilot.core.cli", *argv], cwd=cwd, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": str(ROOT)})
 
@@ -189,15 +189,15 @@ def test_bad_store_files_give_one_line_and_stay_unchanged(mini, tmp_path, capsys
 @pytest.mark.parametrize("path", ["../../x.py", "core/judge.py", "/etc/passwd", "plugins/../x.py",
                                   "plugins/sub/x.py", "plugins/x.txt", "recipe.toml", "plugins\\x.py"])
 def test_candidate_files_outside_the_allow_list_are_refused(path):
-    from core.diffs import DiffError
-    from core.loop import checked_files
+    from specpilot.core.diffs import DiffError
+    from specpilot.core.loop import checked_files
 
     with pytest.raises(DiffError, match="outside the allow-list"):
         checked_files({"plugins/ok.py": "x = 1\n", path: "x = 2\n"})
 
 
 def test_candidate_plugin_files_are_normalised():
-    from core.loop import checked_files
+    from specpilot.core.loop import checked_files
 
     assert checked_files({"./plugins/foo.py": "x = 1\n"}) == {"plugins/foo.py": "x = 1\n"}
 
@@ -219,8 +219,8 @@ def test_time_budget_stops_the_run_and_says_so(mini, tmp_path):
 def test_stores_in_one_folder_keep_their_workspaces_apart(tmp_path):
     """Run ids restart in every store: two stores side by side must not share run-1/ (a merged winner there
     once picked up another store's plugin files), and a merge holds only its sources' plugins."""
-    from core.loop import default_workdir
-    from core.loop.workspace import Workspace
+    from specpilot.core.loop import default_workdir
+    from specpilot.core.loop.workspace import Workspace
 
     assert default_workdir(str(tmp_path / "a.db")) != default_workdir(str(tmp_path / "b.db"))
     assert Path(default_workdir(str(tmp_path / "a.db"))).parent == tmp_path / ".specpilot"

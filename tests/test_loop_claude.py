@@ -23,9 +23,9 @@ import pytest
 from sse_server import SSEServer, stream
 
 import mini_deployment
-from core.cli import build_parser
-from core.events import DecisionRefused
-from core.loop import build_loop
+from specpilot.core.cli import build_parser
+from specpilot.core.events import DecisionRefused
+from specpilot.core.loop import build_loop
 
 KEY = "sk-ant-test-0123456789abcdefXYZ"
 MODEL = "claude-test-model"
@@ -48,8 +48,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from core.engine.plugins import register_tree_policy
-from core.engine.tree import chain_paths
+from specpilot.core.engine.plugins import register_tree_policy
+from specpilot.core.engine.tree import chain_paths
 
 ws = str(Path(__file__).resolve().parent.parent)  # the worker's guard refuses writes inside the workspace
 (Path(tempfile.gettempdir()) / f"saw_key-{hashlib.sha1(ws.encode()).hexdigest()[:12]}.txt").write_text(

@@ -9,11 +9,11 @@ import pytest
 
 from tiny_models import repeating_prompts
 
-from core import forcing
-from core.engine.decode import GenerationError
-from core.mechanisms import (UnknownMechanism, builtin_names, check_recipe, declared, interfaces_doc, lookup,
+from specpilot.core import forcing
+from specpilot.core.engine.decode import GenerationError
+from specpilot.core.mechanisms import (UnknownMechanism, builtin_names, check_recipe, declared, interfaces_doc, lookup,
                              kinds, names, register)
-from core.recipe import Recipe, RecipeError
+from specpilot.core.recipe import Recipe, RecipeError
 
 LIMITS = [24, 17, 20]
 
@@ -90,7 +90,7 @@ def test_plugin_cannot_shadow_a_builtin():
 def test_workspace_plugins_are_declared_from_their_text_without_running(tmp_path):
     (tmp_path / "plugins").mkdir()
     (tmp_path / "plugins" / "adaptive.py").write_text(
-        "raise SystemExit('must not run')\nfrom core.mechanisms import register\n"
+        "raise SystemExit('must not run')\nfrom specpilot.core.mechanisms import register\n"
         "register('draft_length', 'adaptive', lambda depth, recent: 1)\n")
     assert declared(tmp_path) == {("draft_length", "adaptive")}
     check_recipe(Recipe.from_dict({"draft": {"length": "plugin:adaptive"}}), tmp_path)
@@ -106,7 +106,7 @@ def test_interface_doc_is_generated_with_a_working_example_per_kind():
         exec(compile(kind.example, f"<example {kind.name}>", "exec"), {})
         added = set(names(kind.name, builtin=False)) - before
         assert len(added) == 1, (kind.name, added)
-    from core.agents.base import PLUGIN_INTERFACES_DOC
+    from specpilot.core.agents.base import PLUGIN_INTERFACES_DOC
 
     assert PLUGIN_INTERFACES_DOC == doc  # one source: the registry
     assert "lossy" not in doc

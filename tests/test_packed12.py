@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.gpu.packed12 import (
+from specpilot.kernels.gpu.packed12 import (
     Packed12, PackedLinear, main, matmul, matmul_reference, pack, report, unpack,
 )
 
@@ -237,8 +237,8 @@ def test_report_and_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> N
 
 INTERPRETER_CHECK = r"""
 import json, torch
-from kernels.gpu.packed12 import pack, unpack, matmul_reference, matmul_triton
-from kernels.gpu.packed12_triton import KernelConfig, INTERPRETING
+from specpilot.kernels.gpu.packed12 import pack, unpack, matmul_reference, matmul_triton
+from specpilot.kernels.gpu.packed12_triton import KernelConfig, INTERPRETING
 assert INTERPRETING, "TRITON_INTERPRET=1 did not reach triton"
 
 def weight(n, k, seed, planted=()):
@@ -332,7 +332,7 @@ def test_gpu_bench_smoke_under_interpreter() -> None:
     GPU is at least exercised here."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(REPO)}
-    proc = subprocess.run([sys.executable, "-m", "kernels.bench.gpu", "--smoke"], cwd=REPO, env=env,
+    proc = subprocess.run([sys.executable, "-m", "specpilot.kernels.bench.gpu", "--smoke"], cwd=REPO, env=env,
                           capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "correctness: all checks passed" in proc.stdout

@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 
 import mini_deployment
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.diffs import apply_unified_diff
-from core.agents.local import (KNOB_AGENTS, AdaptiveLengthAgent, HybridDrafterAgent, MemoryAgent, adaptive_depth,
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.diffs import apply_unified_diff
+from specpilot.core.agents.local import (KNOB_AGENTS, AdaptiveLengthAgent, HybridDrafterAgent, MemoryAgent, adaptive_depth,
                                ngram_runs, templates)
-from core.agents.registry import local_agents_for, uncovered
-from core.cli import main
-from core.costmodel.replay import Trace
-from core.mechanisms import declared_in, lookup
-from core.recipe import builtin
+from specpilot.core.agents.registry import local_agents_for, uncovered
+from specpilot.core.cli import main
+from specpilot.core.costmodel.replay import Trace
+from specpilot.core.mechanisms import declared_in, lookup
+from specpilot.core.recipe import builtin
 
 
 class BurstyTools:
@@ -89,7 +89,7 @@ def test_ngram_runs_follow_the_engines_ngram_drafter():
 
 
 def test_memory_reproposes_a_winning_plugin_with_its_source(tmp_path):
-    source = "from core.mechanisms import register\nregister('draft_length', 'short', lambda d, r: 1)\n"
+    source = "from specpilot.core.mechanisms import register\nregister('draft_length', 'short', lambda d, r: 1)\n"
     entry = {"mechanism": "Adaptive draft length", "fragment": {"draft": {"length": "plugin:short"}},
              "fingerprint": "elsewhere", "effect": 1.2, "evidence": {"plugins": {"plugins/short.py": source}}}
     out = MemoryAgent().propose(context(tmp_path, memory=[entry]), lambda _: None)
@@ -146,8 +146,8 @@ def test_adaptive_length_agent_on_the_real_cost_model(tiny_pair, tmp_path):
     recipe names, or a one-line reason."""
     import torch
 
-    from core.costmodel.tools import CostTools
-    from core.engine import Engine
+    from specpilot.core.costmodel.tools import CostTools
+    from specpilot.core.engine import Engine
 
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -180,8 +180,8 @@ def test_hybrid_drafter_plugin_is_lossless_against_the_reference(pair_engine, ti
     transformers reference passes, and its steps both look up (no model forward) and use the model."""
     from tiny_models import repeating_prompts
 
-    from core import forcing
-    from core.recipe import Recipe
+    from specpilot.core import forcing
+    from specpilot.core.recipe import Recipe
 
     source = templates.render("hybrid", model_depth=3, name="hybrid_test")
     exec(compile(source, "plugins/hybrid_test.py", "exec"), {})

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 import mini_deployment
-from core.deployment import Deployment
-from core.engine import Engine, ModelLoadError
-from core.recipe import Recipe, builtin, stock
+from specpilot.core.deployment import Deployment
+from specpilot.core.engine import Engine, ModelLoadError
+from specpilot.core.recipe import Recipe, builtin, stock
 
 RECIPES = {
     "ngram": Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6}}),
@@ -36,8 +36,8 @@ PROMPTS = ["Write a Python function that returns the n-th Fibonacci number.",
 def smol(smollm2_dir, one_thread):
     from transformers import AutoTokenizer
 
-    from core.hf import hf_model
-    from core.workload import Request, encode
+    from specpilot.core.hf import hf_model
+    from specpilot.core.workload import Request, encode
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     prompts = [encode(tok, Request(str(i), p, NEW_TOKENS, chat=True)) for i, p in enumerate(PROMPTS)]
@@ -72,7 +72,7 @@ def test_reference_shares_the_engine_mapping(smollm2_dir):
     """The transformers reference reads the same float32 values, with no private copy of the model."""
     from transformers import AutoModelForCausalLM
 
-    from core.hf import hf_model
+    from specpilot.core.hf import hf_model
 
     shared = hf_model(str(smollm2_dir))
     plain = AutoModelForCausalLM.from_pretrained(str(smollm2_dir), dtype=torch.float32).eval()
@@ -92,7 +92,7 @@ def test_no_drafter_deployment(smollm2_gguf):
 
 
 def test_recipe_needing_a_drafter_is_refused_in_one_line(smollm2_gguf, capsys, tmp_path):
-    from core.cli import main
+    from specpilot.core.cli import main
 
     workload = tmp_path / "w.jsonl"
     workload.write_text(json.dumps({"prompt": "Say hi.", "chat": True, "max_new_tokens": 4}) + "\n")
@@ -106,7 +106,7 @@ def test_bench_without_drafter_skips_assisted_with_a_note(smollm2_gguf, tmp_path
     workload = tmp_path / "w.jsonl"
     workload.write_text(json.dumps({"id": "a", "prompt": "List three colours.", "chat": True,
                                     "max_new_tokens": 6}) + "\n")
-    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", smollm2_gguf, "--drafter", "none",
+    cmd = [sys.executable, "-m", "specpilot.core.cli", "bench", "--target", smollm2_gguf, "--drafter", "none",
            "--workload", str(workload), "--repeats", "1", "--recipes", "stock", "--quiet", "--json"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
@@ -119,7 +119,7 @@ def test_bench_without_drafter_skips_assisted_with_a_note(smollm2_gguf, tmp_path
 def test_batched_bench_compares_a_block_recipe_with_batched_ar_on_the_blocks(smol, smollm2_gguf, tmp_path):
     """`bench --batch-sizes` with a gguf recipe also runs batched AR on the blocks ("ar+gguf"), so what its
     speculation keeps at each batch size is measured on the same weights; every output equals batched AR's."""
-    from core.batchbench import run_batched
+    from specpilot.core.batchbench import run_batched
 
     workload = tmp_path / "w.jsonl"
     workload.write_text("".join(json.dumps({"id": str(i), "prompt": p, "chat": True, "max_new_tokens": 8}) + "\n"
@@ -140,8 +140,8 @@ def test_batched_bench_compares_a_block_recipe_with_batched_ar_on_the_blocks(smo
 def test_no_ar_bench_counts_against_ar_on_the_blocks(smol, smollm2_gguf, tmp_path):
     """`bench --no-ar` skips our float32 AR, plain and batched: the block recipe is then set against AR on the
     blocks, whose outputs become the reference; a float32 recipe has no baseline left and is refused up front."""
-    from core import bench
-    from core.batchbench import run_batched
+    from specpilot.core import bench
+    from specpilot.core.batchbench import run_batched
 
     workload = tmp_path / "w.jsonl"
     workload.write_text("".join(json.dumps({"id": str(i), "prompt": p, "chat": True, "max_new_tokens": 8}) + "\n"
@@ -164,8 +164,8 @@ def test_no_ar_bench_counts_against_ar_on_the_blocks(smol, smollm2_gguf, tmp_pat
 
 
 def test_recipes_best_from_the_store(tmp_path, capsys):
-    from core.cli import best_recipe
-    from core.store import Store
+    from specpilot.core.cli import best_recipe
+    from specpilot.core.store import Store
 
     d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=4)
     deployment = Deployment(target=d["target"], drafter=d["drafter"], workload=d["workload"])
@@ -188,7 +188,7 @@ def test_recipes_best_from_the_store(tmp_path, capsys):
     assert best_recipe(other, str(db)).tree.depth == 3
 
 
-PLUGIN = """from core.mechanisms import register
+PLUGIN = """from specpilot.core.mechanisms import register
 
 
 def length(depth, recent):
@@ -203,7 +203,7 @@ def test_recipes_best_loads_the_incumbents_plugins_from_its_workspace(tmp_path, 
     """The loop's winners are often agent-written plugins (an adaptive draft length): `--recipes best` imports
     them from the run's workspace, as the judge's workers did, and runs the recipe losslessly; a workspace
     that is gone is one line, not an unknown-mechanism error."""
-    from core.store import Store
+    from specpilot.core.store import Store
 
     d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=6)
     deployment = Deployment(target=d["target"], drafter=d["drafter"], workload=d["workload"])
@@ -216,7 +216,7 @@ def test_recipes_best_loads_the_incumbents_plugins_from_its_workspace(tmp_path, 
     recipe = Recipe.from_dict({"draft": {"length": f"plugin:{name}"}, "tree": {"policy": "chain", "depth": 3}})
     store.finish_round(store.start_round(run, 1, {}), {"recipe": recipe.to_toml(), "heldout_speedup_vs_ar": 1.2,
                                                        "workspace": str(ws)})
-    cmd = [sys.executable, "-m", "core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
+    cmd = [sys.executable, "-m", "specpilot.core.cli", "bench", "--target", d["target"], "--drafter", d["drafter"],
            "--workload", d["workload"], "--repeats", "1", "--no-hf", "--recipes", "best", "--db", str(db),
            "--quiet", "--json", "--dtype", "float32"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -235,7 +235,7 @@ def test_recipes_best_loads_the_incumbents_plugins_from_its_workspace(tmp_path, 
 
 
 def test_a_backend_that_would_not_fit_is_refused_before_it_loads(monkeypatch, tmp_path):
-    from core.engine import ram_budget
+    from specpilot.core.engine import ram_budget
 
     d = mini_deployment.build(tmp_path, requests=1, max_new_tokens=4)
     engine = Engine.load(d["target"], d["drafter"])
@@ -252,14 +252,14 @@ def test_gguf_format_reads_the_blocks_and_refuses_other_checkpoints(smol, tmp_pa
     engine, prompts, _ = smol
     target, _ = engine.models_for(GGUF_AR)
     assert target.weight_format == "gguf" and type(target.lm_head).__name__ == "GGUFMatrix"
-    from core.costmodel.profile import weight_bytes
+    from specpilot.core.costmodel.profile import weight_bytes
 
     assert weight_bytes(target) < weight_bytes(engine.target) / 4  # Q4_1 blocks vs float32
     d = mini_deployment.build(tmp_path, requests=1, max_new_tokens=4)
     plain = Engine.load(d["target"])
     with pytest.raises(ModelLoadError, match="needs a GGUF checkpoint"):
         plain.generate([[1, 2, 3]], 2, GGUF_AR, speculative=False)
-    from core.recipe import RecipeError
+    from specpilot.core.recipe import RecipeError
 
     with pytest.raises(RecipeError, match="runs its own block kernel"):
         Recipe.from_dict({"weights": {"format": "gguf"}, "runtime": {"linear": "fused"}})
@@ -269,8 +269,8 @@ def test_smollm2_greedy_identity_with_the_bf16x3_arithmetic(smol, monkeypatch):
     """Every block product of the gguf format computed by the exact bf16x3 arithmetic a matrix-unit path
     runs (kernels/reference/bf16x3.py, the plain-PyTorch oracle: three bf16 pieces of each activation, float32 sums,
     the sub-block scales after): transformers' float32 greedy output still, decoding and verifying."""
-    from kernels.cpu import gguf_blocks
-    from kernels.reference import bf16x3
+    from specpilot.kernels.cpu import gguf_blocks
+    from specpilot.kernels.reference import bf16x3
 
     calls = []
 

@@ -8,15 +8,15 @@ import json
 import pytest
 
 import mini_deployment
-from core.agents.base import Candidate
-from core.cli import build_parser
-from core.events import GATES
-from core.judge import Forcing, Gate, Verdict
-from core.loop import Pending, build_loop
-from core.loop.summary import Judged, Round, Standing
-from core.recipe import builtin
-from core.stats import Comparison
-from core.store import Store
+from specpilot.core.agents.base import Candidate
+from specpilot.core.cli import build_parser
+from specpilot.core.events import GATES
+from specpilot.core.judge import Forcing, Gate, Verdict
+from specpilot.core.loop import Pending, build_loop
+from specpilot.core.loop.summary import Judged, Round, Standing
+from specpilot.core.recipe import builtin
+from specpilot.core.stats import Comparison
+from specpilot.core.store import Store
 
 REPORT = {"largest_gap": "verify", "measured_tokens_per_s": 410.0, "ceiling_tokens_per_s": 900.0,
           "predicted_tokens_per_s": 455.5, "gaps": [{"component": "verify", "ms_per_token": 0.8}],

@@ -14,7 +14,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from core.deployment import DEMO_DRAFTER, DEMO_TARGET
+from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
 from serve_helpers import Server, hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "import os\n\ndef list_files(path):",
@@ -98,8 +98,8 @@ def test_seeded_sampling_is_reproducible_and_differs_by_seed(demo):
 
 def test_seeded_request_equals_the_targets_own_seeded_sampling(demo):
     """A sampled request beside greedy ones emits exactly the target's seeded AR sample (lossless)."""
-    from core.engine import Engine
-    from core.engine.decode import Verification, generate
+    from specpilot.core.engine import Engine
+    from specpilot.core.engine.decode import Verification, generate
 
     tok = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
     c = demo.client()
@@ -185,7 +185,7 @@ def smol(smollm2_gguf):
 
 
 def test_chat_plain_and_streamed_equal_transformers(smol, smollm2_dir):
-    from core.workload import Request, encode
+    from specpilot.core.workload import Request, encode
 
     tok = AutoTokenizer.from_pretrained(str(smollm2_dir))
     ids = [encode(tok, Request(str(i), p, 24, chat=True)) for i, p in enumerate(CHATS)]

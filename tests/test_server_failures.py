@@ -12,13 +12,13 @@ import pytest
 import uvicorn
 from transformers import AutoTokenizer
 
-from core.deployment import DEMO_DRAFTER, DEMO_TARGET
-from core.engine import Engine
-from core.engine.decode import Verification
-from core.recipe import builtin
-from core.server.app import ServerState, build_app
-from core.server.engine_loop import EngineLoop
-from core.server.metrics import Metrics
+from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
+from specpilot.core.engine import Engine
+from specpilot.core.engine.decode import Verification
+from specpilot.core.recipe import builtin
+from specpilot.core.server.app import ServerState, build_app
+from specpilot.core.server.engine_loop import EngineLoop
+from specpilot.core.server.metrics import Metrics
 from serve_helpers import free_port
 
 POISON = "def explode():"

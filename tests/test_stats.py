@@ -12,7 +12,7 @@ import math
 import numpy as np
 import pytest
 
-from core.stats import Z95, bootstrap, compare, geomean, noise, noise_floor, speedups
+from specpilot.core.stats import Z95, bootstrap, compare, geomean, noise, noise_floor, speedups
 
 TRIALS = 300
 REQUESTS = 30

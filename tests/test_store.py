@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from core.events import Event
-from core.store import SCHEMA_VERSION, Store, StoreError
-from core.store import migrations
+from specpilot.core.events import Event
+from specpilot.core.store import SCHEMA_VERSION, Store, StoreError
+from specpilot.core.store import migrations
 
 FORCING = {"tokens": 256, "mismatches": 0, "rate": 0.0, "near_ties": 2, "threshold": 0.002, "passed": True}
 SAMPLES = [{"request": i, "candidate_s": 0.8, "incumbent_s": 1.0} for i in range(4)]

@@ -8,14 +8,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-from core.store import Store
+from specpilot.core.store import Store
 
 FINISHED = 12
 
 WRITER = """
 import sys, time
-from core.events import Event
-from core.store import Store
+from specpilot.core.events import Event
+from specpilot.core.store import Store
 
 store = Store(sys.argv[1])
 run = store.create_run({"target": "durability"}, {})

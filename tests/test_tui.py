@@ -13,25 +13,25 @@ import pytest
 from fake_core import FakeCore, record, save_run
 from textual.widgets import TabbedContent
 
-from app.app import SpecPilotApp, build_parser, main
-from app.bridge import LoopUnavailable, StoreUnavailable, build_handle, open_store
-from app.commands import SpecPilotCommands
-from app.screens.diff import DiffScreen
-from app.screens.help import HelpScreen
-from app.screens.reject import RejectScreen
-from app.screens.replay import ReplayScreen, split_round
-from app.screens.runs import RunsScreen
-from app.state import DashboardState, GapView
-from app.widgets.candidates import CandidateTable
-from app.widgets.dashboard import Dashboard
-from app.widgets.diffview import DiffView, line_kind
-from app.widgets.forcing import ForcingTable
-from app.widgets.gaps import BELOW_FLOOR, GapBars, bar
-from app.widgets.header import StatusHeader, StatusLine
-from app.widgets.speedup import SpeedupPlot
-from core.cli import db_path
-from core.events import Event
-from core.store.db import Store
+from specpilot.app.app import SpecPilotApp, build_parser, main
+from specpilot.app.bridge import LoopUnavailable, StoreUnavailable, build_handle, open_store
+from specpilot.app.commands import SpecPilotCommands
+from specpilot.app.screens.diff import DiffScreen
+from specpilot.app.screens.help import HelpScreen
+from specpilot.app.screens.reject import RejectScreen
+from specpilot.app.screens.replay import ReplayScreen, split_round
+from specpilot.app.screens.runs import RunsScreen
+from specpilot.app.state import DashboardState, GapView
+from specpilot.app.widgets.candidates import CandidateTable
+from specpilot.app.widgets.dashboard import Dashboard
+from specpilot.app.widgets.diffview import DiffView, line_kind
+from specpilot.app.widgets.forcing import ForcingTable
+from specpilot.app.widgets.gaps import BELOW_FLOOR, GapBars, bar
+from specpilot.app.widgets.header import StatusHeader, StatusLine
+from specpilot.app.widgets.speedup import SpeedupPlot
+from specpilot.core.cli import db_path
+from specpilot.core.events import Event
+from specpilot.core.store.db import Store
 
 WIDE = (160, 50)
 SMALL = (80, 24)
@@ -410,13 +410,13 @@ def test_error_events_and_notices_show_in_the_status_line() -> None:
 
 
 def test_build_handle_turns_loop_failures_into_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
-    fake = types.ModuleType("core.loop")
+    fake = types.ModuleType("specpilot.core.loop")
 
     def build_loop(args: Any) -> None:
         raise FileNotFoundError("no model at /models/missing\n(details)")
 
     fake.build_loop = build_loop  # type: ignore[attr-defined]
-    monkeypatch.setitem(sys.modules, "core.loop", fake)
+    monkeypatch.setitem(sys.modules, "specpilot.core.loop", fake)
     with pytest.raises(LoopUnavailable, match=r"^cannot start the loop: no model at /models/missing$"):
         build_handle(build_parser().parse_args([]))
 

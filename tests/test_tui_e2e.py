@@ -103,7 +103,7 @@ def _wait_status(status: Path, timeout: float) -> str:
 
 def _runs(db: Path) -> str:
     root = Path(__file__).resolve().parent.parent
-    return subprocess.run([sys.executable, "-m", "core.cli", "runs", "--db", str(db)], cwd=root, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "specpilot.core.cli", "runs", "--db", str(db)], cwd=root, capture_output=True,
                           text=True, timeout=60).stdout
 
 

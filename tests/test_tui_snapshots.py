@@ -17,9 +17,9 @@ import pytest
 from fake_core import record, save_run
 from rich.console import Console
 
-from app.app import SpecPilotApp, build_parser
-from app.screens.replay import ReplayScreen
-from core.store.db import Store
+from specpilot.app.app import SpecPilotApp, build_parser
+from specpilot.app.screens.replay import ReplayScreen
+from specpilot.core.store.db import Store
 
 SNAPSHOTS = Path(__file__).parent / "snapshots"
 UPDATE = os.environ.get("SPECPILOT_UPDATE_SNAPSHOTS") == "1"
@@ -110,7 +110,7 @@ def test_replay_screen(size: str, tmp_path: Path) -> None:
 
 def _every_state() -> list[Any]:
     """Events that leave one candidate in each state the table can show, row by row."""
-    from core.events import GATES, Event
+    from specpilot.core.events import GATES, Event
 
     def started(cid: str) -> list[Event]:
         return [Event("agent_started", {"cid": cid, "agent": "local", "direction": "verify"})]
@@ -153,7 +153,7 @@ def contrast(a: Any, b: Any) -> float:
 def test_every_state_cell_reads_on_the_highlighted_row(theme: str) -> None:
     """The state cell is what a user checks before pressing `a`: on the highlighted row as on the others,
     in every theme, its text and background differ by at least WCAG AA (4.5:1)."""
-    from app.widgets.candidates import CandidateTable, state_label
+    from specpilot.app.widgets.candidates import CandidateTable, state_label
 
     app = SpecPilotApp(build_parser().parse_args(["--theme", theme]))
     seen: dict[str, list[float]] = {}

@@ -25,7 +25,7 @@ pytestmark = pytest.mark.skipif(not Path(TMUX).exists(), reason="tmux is not ins
 
 def tui_command() -> list[str]:
     """This checkout's dashboard (an installed entry point may belong to another checkout)."""
-    return ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "app.app"]
+    return ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "specpilot.app.app"]
 
 
 def tmux(*args: str) -> str:

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from core.workload import Request, WorkloadError, encode, load, split
+from specpilot.core.workload import Request, WorkloadError, encode, load, split
 
 
 def write(tmp_path, lines):
@@ -57,7 +57,7 @@ def test_split_is_seeded_disjoint_and_covering():
 
 
 def test_shipped_workloads_load():
-    from core.deployment import DEMO_WORKLOAD, ROOT
+    from specpilot.core.deployment import DEMO_WORKLOAD, ROOT
 
     code = load(DEMO_WORKLOAD)
     assert len(code) >= 64
@@ -71,7 +71,7 @@ def test_chat_template_applied_when_present():
     apply_chat_template(tokenize=True), which must still come out as token ids."""
     from transformers import AutoTokenizer
 
-    from core.deployment import DEMO_TARGET
+    from specpilot.core.deployment import DEMO_TARGET
 
     tok = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
     tok.chat_template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}\n{% endfor %}<assistant>"

@@ -1,5 +1,5 @@
 """Textual themes for the SpecPilot dashboard."""
 
-from themes.specpilot import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
+from specpilot.themes.specpilot import DEFAULT_THEME, MONO_THEME, THEMES, VARIABLE_DEFAULTS
 
 __all__ = ["DEFAULT_THEME", "MONO_THEME", "THEMES", "VARIABLE_DEFAULTS"]

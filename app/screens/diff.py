@@ -7,10 +7,10 @@ from textual.binding import Binding
 from textual.containers import Vertical
 from textual.screen import ModalScreen
 
-from app.state import CandidateView, ForcingView
-from app.widgets.diffview import DiffView
-from app.widgets.forcing import percent
-from core.events import GATES
+from specpilot.app.state import CandidateView, ForcingView
+from specpilot.app.widgets.diffview import DiffView
+from specpilot.app.widgets.forcing import percent
+from specpilot.core.events import GATES
 
 
 def summary(cand: CandidateView, forcing: ForcingView | None) -> str:

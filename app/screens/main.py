@@ -9,8 +9,8 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer
 
-from app.state import DashboardState
-from app.widgets.dashboard import Dashboard
+from specpilot.app.state import DashboardState
+from specpilot.app.widgets.dashboard import Dashboard
 
 
 class MainScreen(Screen[None]):

@@ -11,9 +11,9 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import Footer, Static
 
-from app.bridge import StoreLike, one_line
-from app.widgets.dashboard import Dashboard
-from core.events import Event, MalformedEvent
+from specpilot.app.bridge import StoreLike, one_line
+from specpilot.app.widgets.dashboard import Dashboard
+from specpilot.core.events import Event, MalformedEvent
 
 SPEEDS: tuple[tuple[str, float | None], ...] = (("1x", 1.0), ("10x", 10.0), ("100x", 100.0), ("instant", None))
 MAX_WAIT_S = 2.0

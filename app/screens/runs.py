@@ -10,9 +10,9 @@ from textual.binding import Binding
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Static
 
-from app.bridge import StoreLike, one_line
-from app.screens.replay import ReplayScreen
-from app.state import model_names
+from specpilot.app.bridge import StoreLike, one_line
+from specpilot.app.screens.replay import ReplayScreen
+from specpilot.app.state import model_names
 
 RUN_COLUMNS = ("run", "started", "status", "deployment", "rounds", "best")
 

@@ -13,8 +13,8 @@ from textual.containers import Vertical
 from textual.widgets import DataTable
 from textual.widgets.data_table import CellDoesNotExist
 
-from app.state import CandidateView, DashboardState
-from app.widgets.diffview import DiffView
+from specpilot.app.state import CandidateView, DashboardState
+from specpilot.app.widgets.diffview import DiffView
 
 COLUMNS = (("cid", "cid", 5), ("agent", "agent", 12), ("title", "title", 24), ("state", "state", 10),
            ("gates", "gates", 5), ("pred", "pred", 5), ("meas", "meas", 5))

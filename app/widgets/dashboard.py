@@ -15,14 +15,14 @@ from textual.reactive import reactive
 from textual.widget import Widget
 from textual.widgets import DataTable, Static, TabbedContent, TabPane, Tabs
 
-from app.screens.diff import DiffScreen
-from app.state import PANELS, Alert, DashboardState
-from app.widgets.candidates import CandidatesPanel, CandidateTable
-from app.widgets.forcing import ForcingTable
-from app.widgets.gaps import GapBars, gap_title
-from app.widgets.header import StatusHeader, StatusLine
-from app.widgets.speedup import SpeedupPlot
-from core.events import Error, Event, Notice
+from specpilot.app.screens.diff import DiffScreen
+from specpilot.app.state import PANELS, Alert, DashboardState
+from specpilot.app.widgets.candidates import CandidatesPanel, CandidateTable
+from specpilot.app.widgets.forcing import ForcingTable
+from specpilot.app.widgets.gaps import GapBars, gap_title
+from specpilot.app.widgets.header import StatusHeader, StatusLine
+from specpilot.app.widgets.speedup import SpeedupPlot
+from specpilot.core.events import Error, Event, Notice
 
 DRAIN_INTERVAL = 0.15
 WIDE_MIN = (120, 35)

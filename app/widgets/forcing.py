@@ -7,8 +7,8 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import DataTable
 
-from app.state import DashboardState, ForcingView
-from app.widgets.candidates import short_cid
+from specpilot.app.state import DashboardState, ForcingView
+from specpilot.app.widgets.candidates import short_cid
 
 COLUMNS = ("cid", "tokens", "mismatches", "rate", "near-ties", "threshold", "result")
 

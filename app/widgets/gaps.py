@@ -8,7 +8,7 @@ from rich.text import Text
 from textual.geometry import Size
 from textual.widget import Widget
 
-from app.state import DashboardState, GapView
+from specpilot.app.state import DashboardState, GapView
 
 EIGHTHS = " ▏▎▍▌▋▊▉"
 LARGEST_MARK = " ◀ largest"

@@ -7,8 +7,8 @@ from typing import Any
 from rich.text import Text
 from textual.widgets import Static
 
-from app.state import DashboardState, model_names
-from core.progress import describe
+from specpilot.app.state import DashboardState, model_names
+from specpilot.core.progress import describe
 
 SEVERITY_MARK = {"information": "•", "warning": "!", "error": "✗"}
 

@@ -6,7 +6,7 @@ from typing import Any
 
 from textual_plotext import PlotextPlot
 
-from app.state import DashboardState
+from specpilot.app.state import DashboardState
 
 Series = dict[str, tuple[list[float], list[float]]]
 

@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Protocol
 
-from core.mechanisms import interfaces_doc
-from core.recipe import Recipe
+from specpilot.core.mechanisms import interfaces_doc
+from specpilot.core.recipe import Recipe
 
 CANDIDATE_KINDS = ("recipe", "plugin", "recipe+plugin")
 

@@ -14,13 +14,13 @@ from typing import Any, Callable
 
 import anthropic
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.diffs import (PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, make_unified_diff,
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.diffs import (PLUGIN_GLOB, RECIPE_FILE, AllowList, DiffError, apply_edits, make_unified_diff,
                         parse_agent_output, workspace_files)
-from core.mechanisms import interfaces_doc
-from core.memory import rejection_line
-from core.recipe import Recipe, RecipeError
-from core.store.redact import KEY_ENV, redact, redact_text
+from specpilot.core.mechanisms import interfaces_doc
+from specpilot.core.memory import rejection_line
+from specpilot.core.recipe import Recipe, RecipeError
+from specpilot.core.store.redact import KEY_ENV, redact, redact_text
 
 ClientFactory = Callable[[], anthropic.Anthropic]
 

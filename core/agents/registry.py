@@ -10,10 +10,10 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from core.agents.base import Agent
-from core.agents.local import DEFAULT_ORDER, GAP_AGENTS, LocalAgent, MemoryAgent
-from core.memory import applicable
-from core.recipe import Recipe
+from specpilot.core.agents.base import Agent
+from specpilot.core.agents.local import DEFAULT_ORDER, GAP_AGENTS, LocalAgent, MemoryAgent
+from specpilot.core.memory import applicable
+from specpilot.core.recipe import Recipe
 
 KINDS = ("local", "claude")
 SPEC_HINT = "agents must look like local:4,claude:2"
@@ -130,7 +130,7 @@ def make_agents(spec: str, seed: int, model: str, memory_nonempty: bool = False,
     """Agents for one round, in the spec's order. Claude agents check ANTHROPIC_API_KEY before anything runs."""
     counts = parse_agents(spec)
     if any(kind == "claude" for kind, _ in counts):
-        from core.agents.claude import require_api_key
+        from specpilot.core.agents.claude import require_api_key
 
         require_api_key()
     agents: list[Agent] = []
@@ -138,7 +138,7 @@ def make_agents(spec: str, seed: int, model: str, memory_nonempty: bool = False,
         if kind == "claude":
             if skip:
                 continue  # a second pass in a round is for local agents not yet tried
-            from core.agents.claude import ClaudeAgent
+            from specpilot.core.agents.claude import ClaudeAgent
 
             agents += [ClaudeAgent(model=model, name="claude" if count == 1 else f"claude-{i + 1}")
                        for i in range(count)]

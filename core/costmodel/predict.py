@@ -21,11 +21,11 @@ formats only through the profile they were measured with.
 
 from __future__ import annotations
 
-from core.costmodel import replay as rp
-from core.costmodel.profile import Profile, drafter_variant_key, interpolate, variant_key
-from core.engine.engine import tree_spec
-from core.engine.tree import static_prefixes
-from core.recipe import Recipe
+from specpilot.core.costmodel import replay as rp
+from specpilot.core.costmodel.profile import Profile, drafter_variant_key, interpolate, variant_key
+from specpilot.core.engine.engine import tree_spec
+from specpilot.core.engine.tree import static_prefixes
+from specpilot.core.recipe import Recipe
 
 
 def _levels(recipe: Recipe) -> list[int]:

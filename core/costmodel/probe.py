@@ -15,9 +15,9 @@ import time
 
 import torch
 
-from core.engine.decode import sync
-from core.engine.model import DTYPES
-from kernels import cache_dir
+from specpilot.core.engine.decode import sync
+from specpilot.core.engine.model import DTYPES
+from specpilot.kernels import cache_dir
 
 
 

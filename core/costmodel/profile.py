@@ -17,15 +17,15 @@ from functools import partial
 
 import torch
 
-from core import progress
-from core.engine import Engine, StepStats
-from core.engine.config import ModelLoadError
-from core.engine.decode import sync
-from core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
-from core.engine.model import Transformer
-from core.engine.tree import chain_paths
-from core.mechanisms import curve, own_curves
-from core.recipe import Recipe, RecipeError
+from specpilot.core import progress
+from specpilot.core.engine import Engine, StepStats
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.decode import sync
+from specpilot.core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
+from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.tree import chain_paths
+from specpilot.core.mechanisms import curve, own_curves
+from specpilot.core.recipe import Recipe, RecipeError
 
 NODES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # dense where chains and trees live: the curve is lumpy there
 CHAIN_DEPTHS = (1, 2, 4, 8)
@@ -342,7 +342,7 @@ def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
 def drafter_format_variants(engine: Engine, recipe: Recipe, keys: list[str]) -> dict[str, Recipe]:
     """For each target variant in `keys`, the recipe with its drafter model in every approximate drafter
     format that fits in a quarter of the memory available ("gguf+q4": gguf target, 4-bit drafter)."""
-    from core.engine.ram_budget import available_bytes
+    from specpilot.core.engine.ram_budget import available_bytes
 
     if engine.drafter_model is None or recipe.draft.method != "model":
         return {}
@@ -367,7 +367,7 @@ def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
     """The recipe's target under every variant (see `variants`) that runs on this device and dtype, and
     whose packed copies take at most a quarter of the memory available (the profiling process shares the
     machine with the reference and the judge's workers: a 1.5B model's float32 copies are 7 GB each)."""
-    from core.engine.ram_budget import available_bytes
+    from specpilot.core.engine.ram_budget import available_bytes
 
     targets = {}
     avail = available_bytes()

@@ -22,14 +22,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.costmodel import trees
-from core.engine import Engine
-from core.engine.decode import Verification, cache_room, generate
-from core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
-from core.engine.model import Transformer
-from core.engine.sampling import seeded_scores
-from core.engine.tree import chain_paths, static_prefixes
-from core.recipe import Recipe
+from specpilot.core.costmodel import trees
+from specpilot.core.engine import Engine
+from specpilot.core.engine.decode import Verification, cache_room, generate
+from specpilot.core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
+from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.sampling import seeded_scores
+from specpilot.core.engine.tree import chain_paths, static_prefixes
+from specpilot.core.recipe import Recipe
 
 DEFAULT_MAX_DEPTH = 8
 DEFAULT_EXTRA = 16

@@ -21,16 +21,16 @@ per token or a fused/compiled forward can. They add up to measured - ceiling exa
 
 from __future__ import annotations
 
-from core import progress
-from core.costmodel import replay as rp
-from core.costmodel.predict import predict, predict_detail
-from core.costmodel.probe import probe
-from core.costmodel.profile import Profile, interpolate, profile, timed_run
-from core.engine import Engine
-from core.engine.engine import tree_spec
-from core.engine.model import DTYPES
-from core.engine.tree import chain_paths
-from core.recipe import Recipe
+from specpilot.core import progress
+from specpilot.core.costmodel import replay as rp
+from specpilot.core.costmodel.predict import predict, predict_detail
+from specpilot.core.costmodel.probe import probe
+from specpilot.core.costmodel.profile import Profile, interpolate, profile, timed_run
+from specpilot.core.engine import Engine
+from specpilot.core.engine.engine import tree_spec
+from specpilot.core.engine.model import DTYPES
+from specpilot.core.engine.tree import chain_paths
+from specpilot.core.recipe import Recipe
 
 BUDGETS = (4, 8, 16, 32, 64)
 CHAIN_DEPTHS = tuple(range(1, 9))

@@ -12,13 +12,13 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from core.costmodel import replay as rp
-from core.costmodel.predict import predict_detail
-from core.costmodel.profile import Profile, interpolate
-from core.engine.decode import Verification
-from core.engine.engine import tree_spec
-from core.mechanisms import modelled
-from core.recipe import Recipe
+from specpilot.core.costmodel import replay as rp
+from specpilot.core.costmodel.predict import predict_detail
+from specpilot.core.costmodel.profile import Profile, interpolate
+from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.engine import tree_spec
+from specpilot.core.mechanisms import modelled
+from specpilot.core.recipe import Recipe
 
 EXTRA = 16  # tokens recorded past each request's end: deep enough for the deepest draft an agent sweeps
 
@@ -67,7 +67,7 @@ class CostTools:
     def from_engine(cls, engine: Any, incumbent: Recipe, prompts: list[list[int]], limits: list[int],
                     request_ids: list[int] | None = None, batch_size: int = 1, **analyse_kwargs: Any) -> "CostTools":
         """Analyse the incumbent once (profile, replay, gaps), then answer agents from that."""
-        from core.costmodel.report import analyse
+        from specpilot.core.costmodel.report import analyse
 
         report = analyse(engine, _modelled(incumbent), prompts, limits, request_ids, **analyse_kwargs)
         return cls(engine, incumbent, report, prompts, limits, request_ids, batch_size)

@@ -1,8 +1,8 @@
 """The speculative-decoding runtime: models, KV cache, drafters, trees, verification."""
 
-from core.engine.config import ModelConfig, ModelLoadError, SUPPORTED_NAMES
-from core.engine.decode import GenerateResult, GenerationError, StepStats, Verification, generate
-from core.engine.engine import Engine, tree_spec
+from specpilot.core.engine.config import ModelConfig, ModelLoadError, SUPPORTED_NAMES
+from specpilot.core.engine.decode import GenerateResult, GenerationError, StepStats, Verification, generate
+from specpilot.core.engine.engine import Engine, tree_spec
 
 __all__ = ["Engine", "GenerateResult", "GenerationError", "ModelConfig", "ModelLoadError", "StepStats",
            "SUPPORTED_NAMES", "Verification", "generate", "tree_spec"]

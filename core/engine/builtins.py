@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from core.mechanisms import Needs, Preset, define_kind, register
+from specpilot.core.mechanisms import Needs, Preset, define_kind, register
 
 define_kind("drafter", "draft.method", '''
 fn(engine, recipe, target, drafter_model) -> core.engine.drafters.Drafter
@@ -21,8 +21,8 @@ Builds the drafter for a recipe: `target` and `drafter_model` are the loaded Tra
 may be None) with the recipe's weight format and linear backend applied. A Drafter implements reset,
 draft(spec, mode, active) -> list[DraftTree], commit, and for batching open/admit/move/drop_last
 (subclass ModelDrafter or NgramDrafter and override what you change).''', '''
-from core.engine.drafters import NgramDrafter
-from core.mechanisms import register
+from specpilot.core.engine.drafters import NgramDrafter
+from specpilot.core.mechanisms import register
 
 register("drafter", "ngram5", lambda engine, recipe, target, drafter_model: NgramDrafter(5))''', stand_in="model")
 
@@ -32,7 +32,7 @@ The shape to draft. `tree` is the recipe's [tree] section (policy, depth, budget
 [[0, 0, 0], [1], [0, 1]] mean the drafter's top-1 chain of depth 3, its 2nd-ranked first token, and the
 2nd-ranked child of its top-1 first token (every prefix of a path is a node). Respect tree.budget (nodes)
 and tree.depth (levels).''', '''
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 def shape(tree) -> list[list[int]]:
     return [[0] * tree.depth] + [[r] for r in range(1, min(tree.topk, tree.budget - tree.depth + 1))]
@@ -44,7 +44,7 @@ fn(depth: int, recent: list[int]) -> int
 How many levels to draft this step, per row: `depth` is the tree's full depth and `recent` the row's
 accepted tokens per step so far (bonus included, newest last, at most 16). The result is clamped to
 [1, depth]; drafting stops there, so a short step costs less drafting and verification.''', '''
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 def adaptive(depth: int, recent: list[int]) -> int:
     if len(recent) < 2:
@@ -58,8 +58,8 @@ core.engine.decode.AcceptanceRule(choices, accept, batched=False)
 choices(logits [B, T, V], trees, ver, req, lengths) -> per-row choices; accept(tree, choice_row, generator)
 -> (accepted node path, bonus token). The output must stay token-identical to autoregressive decoding
 with the same rule (token forcing checks it).''', '''
-from core.engine.decode import AcceptanceRule, _accept
-from core.mechanisms import register
+from specpilot.core.engine.decode import AcceptanceRule, _accept
+from specpilot.core.mechanisms import register
 
 def choices(logits, trees, ver, req, lengths):
     return logits.float().argmax(-1).tolist()
@@ -71,7 +71,7 @@ fn(policy: core.engine.serve.Policy, alphas: list[float]) -> list[int] | None
 Per-row chain depths for one continuous-batching step (None = the recipe's tree unchanged). `alphas` are
 the rows' running acceptance estimates; `policy.table` prices steps (verify_ms(rows, tokens), draft[rows]),
 policy.node_budget / token_cap are the recipe's [batching] values.''', '''
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 def confident(policy, alphas):
     return [4 if a > 0.7 else 1 for a in alphas]
@@ -82,7 +82,7 @@ define_kind("weight_format", "weights.format", '''
 fn(model: core.engine.model.Transformer, source: str | None, recipe) -> Transformer
 A converted copy of a loaded model (`source` is its checkpoint directory or file) whose projections read
 the format's weights. A format is lossless: refuse weights it cannot hold exactly.''', '''
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 register("weight_format", "same", lambda model, source, recipe: model)''', stand_in="native", drafter_field="weights.drafter")
 
@@ -91,7 +91,7 @@ fn(drafter: core.engine.model.Transformer) -> Transformer
 The drafter model (after weights.format and runtime.linear) with its projections and LM head in a cheaper
 form. A drafter only proposes tokens that the target verifies, so this format may be approximate: the output
 cannot change, only how many drafts are accepted.''', '''
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 register("drafter_format", "as_is", lambda drafter: drafter)''', stand_in="same")
 
@@ -99,14 +99,14 @@ define_kind("linear_backend", "runtime.linear", '''
 fn(model: core.engine.model.Transformer, skinny: Callable[[], Transformer]) -> Transformer
 A copy of `model` whose projections run on this backend (`skinny()` returns the cached skinny-backend
 copy to build on). The drafter model runs on it too.''', '''
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 register("linear_backend", "same", lambda model, skinny: model)''', stand_in="native")
 
 
 
 def _chain(tree: Any) -> list[list[int]]:
-    from core.engine.tree import chain_paths
+    from specpilot.core.engine.tree import chain_paths
 
     return chain_paths(tree.depth)
 
@@ -116,7 +116,7 @@ def _static(tree: Any) -> list[list[int]]:
 
 
 def _dynamic(tree: Any) -> Any:
-    from core.engine.drafters import TreeSpec
+    from specpilot.core.engine.drafters import TreeSpec
 
     return TreeSpec("dynamic", depth=tree.depth, topk=tree.topk, budget=tree.budget)
 
@@ -136,8 +136,8 @@ register("tree_policy", "dynamic", _dynamic, "grow by cumulative draft probabili
 
 
 def _model_drafter(engine: Any, recipe: Any, target: Any, drafter_model: Any) -> Any:
-    from core.engine.config import ModelLoadError
-    from core.engine.drafters import ModelDrafter
+    from specpilot.core.engine.config import ModelLoadError
+    from specpilot.core.engine.drafters import ModelDrafter
 
     if drafter_model is None:
         raise ModelLoadError("draft.method = 'model' needs a drafter checkpoint; pass --drafter DIR or "
@@ -146,14 +146,14 @@ def _model_drafter(engine: Any, recipe: Any, target: Any, drafter_model: Any) ->
 
 
 def _ngram_drafter(engine: Any, recipe: Any, target: Any, drafter_model: Any) -> Any:
-    from core.engine.drafters import NgramDrafter
+    from specpilot.core.engine.drafters import NgramDrafter
 
     return NgramDrafter(recipe.draft.ngram_max)
 
 
 def _early_exit_drafter(engine: Any, recipe: Any, target: Any, drafter_model: Any) -> Any:
-    from core.engine.config import ModelLoadError
-    from core.engine.drafters import ModelDrafter
+    from specpilot.core.engine.config import ModelLoadError
+    from specpilot.core.engine.drafters import ModelDrafter
 
     layers = recipe.draft.exit_layers(target.cfg.num_layers)
     if layers >= target.cfg.num_layers:
@@ -193,7 +193,7 @@ register("draft_length", "fixed", lambda depth, recent: depth, "always the tree'
 
 
 def _rule(name: str) -> Any:
-    from core.engine import decode
+    from specpilot.core.engine import decode
 
     rules = {
         "greedy": decode.AcceptanceRule(decode.greedy_choices, decode._accept, batched=True),
@@ -228,7 +228,7 @@ for _name, _checks in (("greedy", ()), ("seeded", ()), ("rejection", (_on_a_chai
 
 def _batching(name: str) -> Callable[[Any, list[float]], list[int] | None]:
     def policy(p: Any, alphas: list[float]) -> list[int] | None:
-        from core.engine.serve import allocate, bend, best_uniform_depth
+        from specpilot.core.engine.serve import allocate, bend, best_uniform_depth
 
         if name == "fixed" or p.table is None:
             return None
@@ -251,13 +251,13 @@ for _name, _doc in (("budget", "one chain depth for all rows from the measured c
 
 
 def _packed12(model: Any, source: str | None, recipe: Any) -> Any:
-    from core.engine.weights import pack_transformer
+    from specpilot.core.engine.weights import pack_transformer
 
     return pack_transformer(model)
 
 
 def _gguf(model: Any, source: str | None, recipe: Any) -> Any:
-    from core.engine.gguf_format import gguf_transformer, source_file
+    from specpilot.core.engine.gguf_format import gguf_transformer, source_file
 
     return gguf_transformer(model, source_file(source))
 
@@ -274,7 +274,7 @@ register("weight_format", "gguf", _gguf, "a GGUF checkpoint's own quantised bloc
 
 def _drafter_blocks(bits: int) -> Callable[[Any], Any]:
     def convert(drafter: Any) -> Any:
-        from core.engine.draft_format import quantised_drafter
+        from specpilot.core.engine.draft_format import quantised_drafter
 
         return quantised_drafter(drafter, bits)
 
@@ -285,7 +285,7 @@ def _block_bytes(bits: int) -> Callable[[int], float]:
     """A drafter in `bits`-bit blocks: the values and each 32-block's scale, plus the bfloat16 copy its
     prompt products use where the CPU has bfloat16 units."""
     def memory(weights: int) -> float:
-        from core.engine.draft_format import BF16_BYTES, BYTES_PER_WEIGHT, fast_bf16
+        from specpilot.core.engine.draft_format import BF16_BYTES, BYTES_PER_WEIGHT, fast_bf16
 
         return (BYTES_PER_WEIGHT[bits] + (BF16_BYTES if fast_bf16() else 0.0)) * weights
 
@@ -305,7 +305,7 @@ def _backend(name: str) -> Callable[[Any, Callable[[], Any]], Any]:
     def build(model: Any, skinny: Callable[[], Any]) -> Any:
         if name == "native":
             return model
-        from core.engine.linear import linear_transformer
+        from specpilot.core.engine.linear import linear_transformer
 
         return linear_transformer(model, name, skinny)
     return build

@@ -20,11 +20,11 @@ from typing import Callable
 
 import torch
 
-from core.engine.drafters import Drafter, DraftMode, TreeSpec
-from core.engine.model import Transformer
-from core.engine.sampling import filtered, seeded_scores
-from core.engine.tree import DraftTree, batch_tensors
-from core.mechanisms import lookup
+from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
+from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.sampling import filtered, seeded_scores
+from specpilot.core.engine.tree import DraftTree, batch_tensors
+from specpilot.core.mechanisms import lookup
 
 
 class GenerationError(ValueError):

@@ -17,8 +17,8 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
-from core.engine.config import ModelLoadError
-from core.engine.model import Transformer
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.model import Transformer
 
 BYTES_PER_WEIGHT = {8: 1 + 4 / 32, 4: 0.5 + 2 / 32}  # the values plus each 32-block's scale
 BF16_BYTES = 2.0  # the bfloat16 copy a prompt's products use where the CPU has bfloat16 units
@@ -70,7 +70,7 @@ def quantised_drafter(model: Transformer, bits: int) -> Transformer:
     weights (quantised once here, from the float weights the model was loaded with); a prompt's products run
     in bfloat16 where the CPU has bfloat16 units, and a vocabulary over 2 * HEAD_VOCAB is drafted from its first
     HEAD_VOCAB ids (plus end of sequence)."""
-    from kernels.cpu.q8_draft import Q8Matrix, available, quantize
+    from specpilot.kernels.cpu.q8_draft import Q8Matrix, available, quantize
 
     fmt = f"q{bits}"
     if model.device.type != "cpu":

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 
 import torch
 
-from core.engine.model import Transformer
-from core.engine.sampling import filtered, seeded_scores
-from core.engine.tree import DraftTree, static_prefixes
+from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.sampling import filtered, seeded_scores
+from specpilot.core.engine.tree import DraftTree, static_prefixes
 
 
 @dataclass

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from core.engine.config import ModelLoadError
-from core.engine.decode import GenerateResult, Verification, generate
-from core.engine.drafters import Drafter, ModelDrafter, TreeSpec
-from core.engine.model import Transformer
-from core.engine.serve import CostTable, Policy, Scheduler, check_fits, drive, measure_costs
-from core.mechanisms import check_recipe, find, lookup
-from core.recipe import Recipe, stock
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.decode import GenerateResult, Verification, generate
+from specpilot.core.engine.drafters import Drafter, ModelDrafter, TreeSpec
+from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.serve import CostTable, Policy, Scheduler, check_fits, drive, measure_costs
+from specpilot.core.mechanisms import check_recipe, find, lookup
+from specpilot.core.recipe import Recipe, stock
 
 
 def _vocab(path: Path) -> dict | None:
@@ -122,7 +122,7 @@ class Engine:
         """Refuse, before building them, packed copies that would not fit in the memory available now."""
         needed = self.packed_bytes(recipe)
         if needed:
-            from core.engine.ram_budget import require
+            from specpilot.core.engine.ram_budget import require
 
             require(needed, f"weights.format = {recipe.weights.format!r} (drafter_format = "
                             f"{recipe.weights.drafter_format!r}) with runtime.linear = "
@@ -211,7 +211,7 @@ class Engine:
         b, v = recipe.batching, recipe.verify
         length = None if recipe.draft.length == "fixed" else lookup("draft_length", recipe.draft.length)
         if length is not None and b.policy != "fixed":
-            from core.engine.decode import GenerationError
+            from specpilot.core.engine.decode import GenerationError
 
             raise GenerationError(f"draft.length = {recipe.draft.length!r} and batching.policy = {b.policy!r} both "
                                   "set each row's depth; keep one (draft.length = 'fixed' or batching.policy = 'fixed')")

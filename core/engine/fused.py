@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from core.engine.model import KVCache, Transformer
+from specpilot.core.engine.model import KVCache, Transformer
 
 _ptr, _long = ctypes.c_void_p, ctypes.c_long
 QUERY_BLOCK = 12  # layer.c's QB: attention scores are computed for this many queries at a time

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import numpy as np
 
-from core.engine.config import ModelLoadError
-from kernels import cache_dir
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.kernels import cache_dir
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
 LAYER_NAMES = {

@@ -17,9 +17,9 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from core.engine import gguf_checkpoint
-from core.engine.config import ModelLoadError
-from core.engine.model import Linear, Transformer
+from specpilot.core.engine import gguf_checkpoint
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.model import Linear, Transformer
 
 
 def source_file(checkpoint: str | None) -> str:
@@ -33,7 +33,7 @@ def source_file(checkpoint: str | None) -> str:
 
 def gguf_transformer(model: Transformer, path: str) -> Transformer:
     """A copy of `model` (loaded from the same GGUF file) whose projections read the file's blocks."""
-    from kernels.cpu.gguf_blocks import GGUFMatrix
+    from specpilot.kernels.cpu.gguf_blocks import GGUFMatrix
 
     if model.dtype != torch.float32:
         raise ModelLoadError("weights.format = 'gguf' computes in float32, the dtype its weights are exact in; "

@@ -7,7 +7,7 @@ kernel (kernels/cpu/skinny.c) up to SKINNY_MAX_ROWS rows, and through oneDNN abo
 Why: a verify step multiplies a few rows by every weight, and the default BLAS (MKL) is slow at such
 GEMMs on the AVX2 development machine: over all weight matrices of the demo target (bf16 values loaded in
 float32), the skinny kernel takes 2.0-3.4x fewer milliseconds than MKL at 1-12 rows and 1.4x at 33-64
-(docs/notebook.md; `python -m kernels.cpu.skinny models/demo-target`). It reads each weight matrix as one
+(docs/notebook.md; `python -m specpilot.kernels.cpu.skinny models/demo-target`). It reads each weight matrix as one
 sequential stream, in 16 bits when the weights are bfloat16 values (any bf16 checkpoint), which halves
 the bytes and lets the demo target's weights stay in the cache.
 
@@ -26,10 +26,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.engine.config import ModelLoadError
-from core.engine.fused import FusedTransformer
-from core.engine.model import Linear, Transformer, dense
-from kernels.cpu.skinny import SkinnyUnavailable, SkinnyWeight, bfloat16_exact, library
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.fused import FusedTransformer
+from specpilot.core.engine.model import Linear, Transformer, dense
+from specpilot.kernels.cpu.skinny import SkinnyUnavailable, SkinnyWeight, bfloat16_exact, library
 
 SKINNY_MAX_ROWS = {16: 256, 32: 48}  # by panel bits: above this many rows oneDNN is as fast or faster (measured)
 

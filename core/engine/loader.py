@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.engine.config import ModelLoadError
+from specpilot.core.engine.config import ModelLoadError
 
 DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
           "I32": torch.int32, "U8": torch.uint8, "I8": torch.int8, "BOOL": torch.bool, "F64": torch.float64}

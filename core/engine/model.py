@@ -13,8 +13,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from core.engine.config import ModelConfig, ModelLoadError
-from core.engine.loader import load_state_dict
+from specpilot.core.engine.config import ModelConfig, ModelLoadError
+from specpilot.core.engine.loader import load_state_dict
 
 Linear = Callable[[torch.Tensor], torch.Tensor]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

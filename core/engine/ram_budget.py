@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from core.engine.config import ModelLoadError
+from specpilot.core.engine.config import ModelLoadError
 
 HEADROOM = 0.9  # leave a tenth of what is available for activations, the KV cache and the interpreter
 GB = 1 << 30

@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
+from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
                                 Verification, _cap, _truncate, cache_room, drafter_room, step, sync)
-from core.engine.drafters import Drafter, DraftMode, TreeSpec
-from core.engine.model import KVCache, Transformer
-from core.engine.tree import DraftTree, chain_paths
-from core.mechanisms import lookup
+from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
+from specpilot.core.engine.model import KVCache, Transformer
+from specpilot.core.engine.tree import DraftTree, chain_paths
+from specpilot.core.mechanisms import lookup
 
 MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6

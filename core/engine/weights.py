@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from core.engine.model import Transformer
+from specpilot.core.engine.model import Transformer
 
 
 PACKED_BITS = 12
@@ -17,7 +17,7 @@ class WeightFormatError(ValueError):
 
 
 def _packed(weight: torch.Tensor, bias: torch.Tensor | None = None):
-    from kernels.gpu.packed12 import PackedLinear
+    from specpilot.kernels.gpu.packed12 import PackedLinear
 
     bf16 = weight.to(torch.bfloat16)
     if not torch.equal(bf16.to(weight.dtype), weight):

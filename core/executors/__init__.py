@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from core.deployment import Deployment
-    from core.recipe import Recipe
-    from core.workers import WorkerBase
+    from specpilot.core.deployment import Deployment
+    from specpilot.core.recipe import Recipe
+    from specpilot.core.workers import WorkerBase
 
 EXECUTORS = ("local", "ray")
 
@@ -61,7 +61,7 @@ def check_executor(name: str) -> None:
     if name not in EXECUTORS:
         raise ExecutorError(f"--executor {name!r} is unknown; use one of: {', '.join(EXECUTORS)}")
     if name == "ray":
-        from core.executors.ray import require_ray
+        from specpilot.core.executors.ray import require_ray
 
         require_ray()
 
@@ -73,9 +73,9 @@ def make_executor(name: str, deployment: "Deployment", devices: str | None = Non
     if name == "local":
         if ray_address:
             raise ExecutorError("--ray-address needs --executor ray")
-        from core.executors.local import LocalExecutor
+        from specpilot.core.executors.local import LocalExecutor
 
         return LocalExecutor(deployment, devices)
-    from core.executors.ray import RayExecutor
+    from specpilot.core.executors.ray import RayExecutor
 
     return RayExecutor(deployment, devices, ray_address)

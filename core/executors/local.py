@@ -12,10 +12,10 @@ import os
 import threading
 from pathlib import Path
 
-from core.deployment import Deployment
-from core.executors import Device, ExecutorError
-from core.recipe import Recipe
-from core.workers import Worker
+from specpilot.core.deployment import Deployment
+from specpilot.core.executors import Device, ExecutorError
+from specpilot.core.recipe import Recipe
+from specpilot.core.workers import Worker
 
 _DEVICE_LOCKS: dict[str, threading.Lock] = {}
 _LOCKS_GUARD = threading.Lock()

@@ -21,10 +21,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Iterator
 
-from core.deployment import Deployment
-from core.executors import Device, ExecutorError
-from core.recipe import Recipe
-from core.workers import _LIVE, SECRET_ENV, START_LIMIT_S, Worker, WorkerBase, WorkerError, WorkerTimeout, \
+from specpilot.core.deployment import Deployment
+from specpilot.core.executors import Device, ExecutorError
+from specpilot.core.recipe import Recipe
+from specpilot.core.workers import _LIVE, SECRET_ENV, START_LIMIT_S, Worker, WorkerBase, WorkerError, WorkerTimeout, \
     deployment_dict, recipe_text
 
 REPO = Path(__file__).resolve().parent.parent.parent

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import argparse
 
-from core.events import STATES
-from core.loop.config import LoopConfig, config_from_args, default_workdir, parse_local_agents
-from core.loop.control import PROGRESS_EVERY_S, Pending
-from core.loop.headless import stderr_progress
-from core.loop.rounds import Loop
-from core.loop.workspace import checked_files
-from core.memory import is_rejection
+from specpilot.core.events import STATES
+from specpilot.core.loop.config import LoopConfig, config_from_args, default_workdir, parse_local_agents
+from specpilot.core.loop.control import PROGRESS_EVERY_S, Pending
+from specpilot.core.loop.headless import stderr_progress
+from specpilot.core.loop.rounds import Loop
+from specpilot.core.loop.workspace import checked_files
+from specpilot.core.memory import is_rejection
 
 __all__ = ["PROGRESS_EVERY_S", "STATES", "Loop", "LoopConfig", "Pending", "build_loop", "checked_files",
            "config_from_args", "default_workdir", "is_rejection", "parse_local_agents", "stderr_progress"]

@@ -8,10 +8,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.agents.local import DEFAULT_ORDER, KNOB_AGENTS, MemoryAgent
-from core.deployment import Deployment
-from core.store import Store
-from core.store.db import RESUMABLE
+from specpilot.core.agents.local import DEFAULT_ORDER, KNOB_AGENTS, MemoryAgent
+from specpilot.core.deployment import Deployment
+from specpilot.core.store import Store
+from specpilot.core.store.db import RESUMABLE
 
 
 @dataclass

@@ -8,11 +8,11 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from core import progress
-from core.events import AwaitingDecision, Decided, DecisionRefused, Notice, Progress, StateChanged
-from core.loop.record import EventLog
-from core.recipe import Recipe
-from core.workers import kill_workers
+from specpilot.core import progress
+from specpilot.core.events import AwaitingDecision, Decided, DecisionRefused, Notice, Progress, StateChanged
+from specpilot.core.loop.record import EventLog
+from specpilot.core.recipe import Recipe
+from specpilot.core.workers import kill_workers
 
 PROGRESS_EVERY_S = 1.0  # a long step's progress is stored at most this often (and at its start and end)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from core import events as ev
-from core import progress
+from specpilot.core import events as ev
+from specpilot.core import progress
 
 
 def line_for(body: ev.EventBody) -> str | None:

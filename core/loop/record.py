@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 from typing import Any
 
-from core.events import Emit, Event, EventBody
+from specpilot.core.events import Emit, Event, EventBody
 
 
 class EventLog:

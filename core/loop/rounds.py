@@ -13,27 +13,27 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from core import memory as mem
-from core import progress
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.registry import directions, make_agents, parse_agents, uncovered
-from core.diffs import DiffError
-from core.engine import ModelLoadError
-from core.events import (AgentChunk, AgentDone, AgentStarted, CandidateFailed, CandidateProposed, Emit, Error,
+from specpilot.core import memory as mem
+from specpilot.core import progress
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.registry import directions, make_agents, parse_agents, uncovered
+from specpilot.core.diffs import DiffError
+from specpilot.core.engine import ModelLoadError
+from specpilot.core.events import (AgentChunk, AgentDone, AgentStarted, CandidateFailed, CandidateProposed, Emit, Error,
                          Evaluated, Forced, GateChecked, Gaps, NewIncumbent, Notice, RoundFinished, RoundStarted,
                          RunFinished, RunStarted)
-from core.executors import make_executor
-from core.judge import Forcing, Judge
-from core.loop.config import LoopConfig, default_workdir
-from core.loop.control import Control, Pending
-from core.loop.summary import Round, Standing
-from core.loop.workspace import Workspace
-from core.recipe import Recipe, RecipeError, combine
-from core.recipe import stock as deployment_stock
-from core.setup import RunContext, prepare
-from core.stats import Comparison
-from core.store import Store
-from core.workload import WorkloadError
+from specpilot.core.executors import make_executor
+from specpilot.core.judge import Forcing, Judge
+from specpilot.core.loop.config import LoopConfig, default_workdir
+from specpilot.core.loop.control import Control, Pending
+from specpilot.core.loop.summary import Round, Standing
+from specpilot.core.loop.workspace import Workspace
+from specpilot.core.recipe import Recipe, RecipeError, combine
+from specpilot.core.recipe import stock as deployment_stock
+from specpilot.core.setup import RunContext, prepare
+from specpilot.core.stats import Comparison
+from specpilot.core.store import Store
+from specpilot.core.workload import WorkloadError
 
 # Errors that mean the run could not begin (bad paths, files, options): no run is kept for them.
 REFUSALS = (ModelLoadError, WorkloadError, RecipeError, FileNotFoundError, ValueError)
@@ -46,7 +46,7 @@ class Loop(Control):
         self.config = config
         self.counts = dict(parse_agents(config.agents))
         if self.counts.get("claude"):
-            from core.agents.claude import require_api_key  # anthropic: only a run with Claude agents needs it
+            from specpilot.core.agents.claude import require_api_key  # anthropic: only a run with Claude agents needs it
 
             require_api_key()
         self.executor = make_executor(config.executor, config.deployment, config.devices, config.ray_address)

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.loop.control import Pending
-from core.recipe import Recipe
-from core.stats import Comparison
+from specpilot.core.loop.control import Pending
+from specpilot.core.recipe import Recipe
+from specpilot.core.stats import Comparison
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from core.diffs import PLUGIN_GLOB, AllowList, DiffError, checked_path
+from specpilot.core.diffs import PLUGIN_GLOB, AllowList, DiffError, checked_path
 
 
 def checked_files(files: dict | None) -> dict[str, str]:

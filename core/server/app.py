@@ -18,11 +18,11 @@ from typing import Any, AsyncIterator, Callable
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from core.engine.decode import Verification
-from core.server.engine_loop import EngineLoop
-from core.server.metrics import Metrics
-from core.server.protocol import ApiError, Job, parse
-from core.server.text import TextStream
+from specpilot.core.engine.decode import Verification
+from specpilot.core.server.engine_loop import EngineLoop
+from specpilot.core.server.metrics import Metrics
+from specpilot.core.server.protocol import ApiError, Job, parse
+from specpilot.core.server.text import TextStream
 
 log = logging.getLogger("specpilot.serve")
 POLL_S = 0.5  # how often a non-streamed request checks that its client is still there

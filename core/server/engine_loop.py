@@ -14,10 +14,10 @@ import threading
 import time
 from typing import Callable
 
-from core.engine.decode import GenerationError
-from core.engine.serve import Scheduler
-from core.server.metrics import Metrics
-from core.server.protocol import ApiError, Job
+from specpilot.core.engine.decode import GenerationError
+from specpilot.core.engine.serve import Scheduler
+from specpilot.core.server.metrics import Metrics
+from specpilot.core.server.protocol import ApiError, Job
 
 SHUTDOWN = "the server is shutting down and this request did not finish within its grace period"
 

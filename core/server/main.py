@@ -16,9 +16,9 @@ from pathlib import Path
 
 import uvicorn
 
-from core.engine.decode import Verification
-from core.engine.ram_budget import require
-from core.recipe import Recipe, RecipeError
+from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.ram_budget import require
+from specpilot.core.recipe import Recipe, RecipeError
 
 log = logging.getLogger("specpilot.serve")
 
@@ -28,7 +28,7 @@ def resolve_recipe(spec: str, deployment, db: str | None) -> tuple[Recipe | None
     deployment), a run id (its final incumbent; refused if that run was on another deployment), a built-in
     name, a .toml file, `ar` (plain decoding on the float32 weights) or `ar+RECIPE` (plain decoding on that
     recipe's weights and linear backend, what the recipe's speculation is measured against)."""
-    from core.cli import _recipes, run_incumbent
+    from specpilot.core.cli import _recipes, run_incumbent
 
     if spec == "ar":
         return None, False
@@ -50,11 +50,11 @@ def build(args: argparse.Namespace):
     that answers 500 to everything."""
     from transformers import AutoTokenizer
 
-    from core.deployment import Deployment
-    from core.engine import Engine
-    from core.server.app import ServerState, build_app
-    from core.server.engine_loop import EngineLoop
-    from core.server.metrics import Metrics
+    from specpilot.core.deployment import Deployment
+    from specpilot.core.engine import Engine
+    from specpilot.core.server.app import ServerState, build_app
+    from specpilot.core.server.engine_loop import EngineLoop
+    from specpilot.core.server.metrics import Metrics
 
     deployment = Deployment.from_args(args).validate()
     deployment.apply_threads()

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from core.engine.decode import Verification
+from specpilot.core.engine.decode import Verification
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "presence_penalty", "frequency_penalty", "response_format", "best_of", "echo", "suffix")

@@ -22,12 +22,12 @@ from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import sessionmaker
 from sqlmodel import Session, select
 
-from core import events as ev
-from core.memory import ranked
-from core.store import tables as t
-from core.store.migrations import SCHEMA_VERSION, upgrade
-from core.store.redact import redact
-from core.store.sqlite import StoreError, inspect_file, make_engines, make_read_only_engine
+from specpilot.core import events as ev
+from specpilot.core.memory import ranked
+from specpilot.core.store import tables as t
+from specpilot.core.store.migrations import SCHEMA_VERSION, upgrade
+from specpilot.core.store.redact import redact
+from specpilot.core.store.sqlite import StoreError, inspect_file, make_engines, make_read_only_engine
 
 MEMORY_KEYS = ("mechanism", "description", "fragment", "fingerprint", "effect", "evidence")
 DECISIONS = ("approve", "reject")

@@ -12,7 +12,7 @@ from urllib.parse import quote
 
 from sqlalchemy import Engine, create_engine, event
 
-from core.store.migrations import SCHEMA_VERSION, missing_steps
+from specpilot.core.store.migrations import SCHEMA_VERSION, missing_steps
 
 SQLITE_HEADER = b"SQLite format 3\x00"
 BUSY_TIMEOUT_MS = 5000

@@ -1,4 +1,4 @@
-"""The GGUF block kernel by input rows on the CPU: `python -m kernels.gguf_blocks --bench MODEL.gguf`.
+"""The GGUF block kernel by input rows on the CPU: `python -m specpilot.kernels.gguf_blocks --bench MODEL.gguf`.
 
 One pass is one product with M input rows through every linear of a checkpoint (kernels/cpu/gguf_blocks.py),
 against float32 F.linear on dequantised copies. `floor_ms` is the blocks' bytes over a copy bandwidth measured
@@ -18,9 +18,9 @@ import time
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu.gguf_blocks import GGUFMatrix, isa, linear_tensors
-from kernels.cpu.skinny import SkinnyUnavailable
-from kernels.reference.gguf_ref import UnsupportedBlockType
+from specpilot.kernels.cpu.gguf_blocks import GGUFMatrix, isa, linear_tensors
+from specpilot.kernels.cpu.skinny import SkinnyUnavailable
+from specpilot.kernels.reference.gguf_ref import UnsupportedBlockType
 
 PARTS = {"read": 1, "dequant": 2, "fma": 3}  # gguf_blocks.c's PART_READ, PART_DEQUANT, PART_FMA
 COPY_BYTES = 1 << 29  # a buffer far past the last-level cache
@@ -91,7 +91,7 @@ def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | Non
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: time every linear of a GGUF file under this kernel and float32 F.linear, by input rows."""
-    ap = argparse.ArgumentParser(prog="python -m kernels.gguf_blocks",
+    ap = argparse.ArgumentParser(prog="python -m specpilot.kernels.gguf_blocks",
                                  description="ms per pass over a GGUF checkpoint's linears, by input rows.")
     ap.add_argument("--bench", metavar="MODEL.gguf", required=True)
     ap.add_argument("--rows", default="1,2,4,8,16,32,64")

@@ -6,7 +6,7 @@ L2 and replays a CUDA graph (kernels/bench/gpu.Timer). Correctness: identity row
 dequantised weights bit for bit, and random rows match the float64 product within 1e-5 relative, output
 poisoned with NaN first. Shapes are the Qwen2.5-Coder-1.5B linears (or a GGUF file's with --gguf).
 
-Run on a CUDA machine: `python -m kernels.bench.gguf_gpu` (about two minutes). `--smoke` runs the same
+Run on a CUDA machine: `python -m specpilot.kernels.bench.gguf_gpu` (about two minutes). `--smoke` runs the same
 flow on tiny shapes on the CPU under TRITON_INTERPRET=1.
 """
 
@@ -21,8 +21,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.bench.gpu import Timer, copy_bandwidth, rel_error
-from kernels.reference.gguf_ref import FORMATS, dequantize, qtype_id, random_blocks
+from specpilot.kernels.bench.gpu import Timer, copy_bandwidth, rel_error
+from specpilot.kernels.reference.gguf_ref import FORMATS, dequantize, qtype_id, random_blocks
 
 QWEN15B = [(1536, 1536, "Q4_K"), (256, 1536, "Q4_K"), (8960, 1536, "Q4_K"), (1536, 8960, "Q4_K"),
            (1536, 8960, "Q6_K"), (151936, 1536, "Q6_K"), (2048, 2048, "Q8_0"), (2048, 2048, "Q5_0"),
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         device = torch.device("cuda")
         rows_list, timer = ROWS, Timer(device, inner=32, outer=15)
-    import kernels.gpu.gguf_triton as kt
+    import specpilot.kernels.gpu.gguf_triton as kt
 
     if args.smoke and not kt.INTERPRETING:
         print("--smoke needs TRITON_INTERPRET=1 set before the run")

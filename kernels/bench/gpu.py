@@ -7,7 +7,7 @@ the cache), replays a CUDA graph of many calls (so host launch overhead stays ou
 graph-captured decode loop), and takes the median over replays. Achieved bytes/s is compared with a
 measured device-to-device copy (bytes read + written).
 
-Run on a CUDA machine: `bash scripts/gpu_check.sh` (or `python -m kernels.bench.gpu`). `--smoke` runs the
+Run on a CUDA machine: `bash scripts/gpu_check.sh` (or `python -m specpilot.kernels.bench.gpu`). `--smoke` runs the
 same flow on tiny shapes on the CPU under TRITON_INTERPRET=1 with a wall-clock timer, to check the script
 itself where there is no GPU.
 """
@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.gpu.packed12 import Packed12, matmul_reference, pack
+from specpilot.kernels.gpu.packed12 import Packed12, matmul_reference, pack
 
 LLAMA8B_SHAPES = [(4096, 4096), (14336, 4096), (4096, 14336), (1024, 4096)]
 ROWS = [1, 8, 32, 64]
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         device = torch.device("cuda")
         shapes, rows_list = LLAMA8B_SHAPES, ROWS
         timer, tune_timer = Timer(device, inner=64, outer=25), Timer(device, inner=32, outer=7)
-    import kernels.gpu.packed12_triton as kt
+    import specpilot.kernels.gpu.packed12_triton as kt
 
     if args.smoke and not kt.INTERPRETING:
         print("--smoke needs TRITON_INTERPRET=1 set before the run")

@@ -4,7 +4,7 @@ Why: a float32 copy of a quantised checkpoint reads 5-7x more bytes per token th
 kernel reads each block once per call for up to 64 rows of float32 activations, so verifying several draft
 tokens costs about one weight read, and the dequantised weights are gguf-py's bit for bit (kernels/reference/gguf_ref).
 Built once per source version with the system C compiler into the SpecPilot cache, like kernels/cpu/skinny.py.
-`python -m kernels.gguf_blocks --bench MODEL.gguf` times every linear of a checkpoint (kernels/bench/gguf_cpu.py).
+`python -m specpilot.kernels.gguf_blocks --bench MODEL.gguf` times every linear of a checkpoint (kernels/bench/gguf_cpu.py).
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kernels.build import compiled, loads
-from kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, dequantize, qtype_id, row_bytes
-from kernels.cpu.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
+from specpilot.kernels.build import compiled, loads
+from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, dequantize, qtype_id, row_bytes
+from specpilot.kernels.cpu.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 
 SOURCE = Path(__file__).with_name("gguf_blocks.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")

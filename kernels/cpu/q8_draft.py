@@ -5,7 +5,7 @@ step on the GGUF blocks, a third of each in the LM head), and a drafter's produc
 only proposes, and the target's verification decides every output token. Int8 weights with activations
 quantised to int8 per call (llama.cpp's Q8_0 x Q8_0) read ~1.1 bytes a weight and multiply in integers.
 Only a drafter may use this: the target's products stay exact (kernels/cpu/gguf_blocks.py).
-`python -m kernels.cpu.q8_draft --bench MODEL.gguf` times a checkpoint's linears both ways.
+`python -m specpilot.kernels.cpu.q8_draft --bench MODEL.gguf` times a checkpoint's linears both ways.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from kernels.build import compiled, loads
-from kernels.cpu.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
+from specpilot.kernels.build import compiled, loads
+from specpilot.kernels.cpu.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 
 SOURCE = Path(__file__).with_name("q8_draft.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-fopenmp")
@@ -162,7 +162,7 @@ class Q8Matrix:
 
 def bench_model(path: str, rows: list[int], repeats: int = 5, threads: int = 1) -> list[dict]:
     """Process CPU ms of one product per linear of a GGUF checkpoint: its blocks (exact) against q8."""
-    from kernels.cpu.gguf_blocks import linear_tensors
+    from specpilot.kernels.cpu.gguf_blocks import linear_tensors
 
     mats = linear_tensors(path)
     q8 = [Q8Matrix(m.dequantize(), threads=threads) for _, m in mats]
@@ -185,7 +185,7 @@ def bench_model(path: str, rows: list[int], repeats: int = 5, threads: int = 1) 
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.q8_draft", description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(prog="python -m specpilot.kernels.cpu.q8_draft", description=__doc__.splitlines()[0])
     ap.add_argument("--bench", metavar="MODEL.gguf", required=True)
     ap.add_argument("--rows", default="1,2,4,8,16")
     ap.add_argument("--threads", type=int, default=1)

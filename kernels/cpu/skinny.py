@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kernels.build import KernelUnavailable, compiled, loads
+from specpilot.kernels.build import KernelUnavailable, compiled, loads
 
 SOURCES = (Path(__file__).with_name("skinny.c"), Path(__file__).with_name("layer.c"))
 FLAGS = ("-O3", "-mavx2", "-mfma", "-shared", "-fPIC")
@@ -128,7 +128,7 @@ def bench_model_dir(model_dir: str, rows: list[int], repeats: int = 6) -> dict[i
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: time every 2-D weight of a checkpoint under torch's GEMM, oneDNN and the skinny kernel."""
-    ap = argparse.ArgumentParser(prog="python -m kernels.cpu.skinny",
+    ap = argparse.ArgumentParser(prog="python -m specpilot.kernels.cpu.skinny",
                                  description="ms per pass over a checkpoint's weight matrices, by input rows.")
     ap.add_argument("model_dir")
     ap.add_argument("--rows", default="1,3,5,9,12,17,24,33,48,64")

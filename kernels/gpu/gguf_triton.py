@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.reference.gguf_ref import FORMATS, as_raw, qtype_id
+from specpilot.kernels.reference.gguf_ref import FORMATS, as_raw, qtype_id
 
 MAX_ROWS = 64
 

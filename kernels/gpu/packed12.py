@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from kernels.gpu.packed12_triton import KernelConfig
+    from specpilot.kernels.gpu.packed12_triton import KernelConfig
 
 ESCAPE_CODE = 15
 TABLE_SIZE = 16
@@ -213,7 +213,7 @@ def matmul_reference(x: torch.Tensor, p: Packed12, bias: torch.Tensor | None = N
 def triton_available() -> bool:
     """True when the Triton kernel module imports (Triton installed); says nothing about a GPU."""
     try:
-        from kernels.gpu import packed12_triton  # noqa: F401
+        from specpilot.kernels.gpu import packed12_triton  # noqa: F401
     except ImportError:
         return False
     return True
@@ -224,7 +224,7 @@ def matmul_triton(x: torch.Tensor, p: Packed12, bias: torch.Tensor | None = None
     """y = x @ W^T (+ bias) with the fused dequantise-matmul Triton kernel (x: 1..64 rows). Runs on CUDA
     tensors, or on CPU tensors under TRITON_INTERPRET=1 (tests)."""
     _check_matmul_args(x, p, bias)
-    from kernels.gpu.packed12_triton import launch
+    from specpilot.kernels.gpu.packed12_triton import launch
 
     return launch(x, p, bias, config, out)
 
@@ -386,7 +386,7 @@ def report_model_dir(model_dir: str | Path, convert: bool = False) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> int:
     """CLI: print the packed12 report for a model directory."""
-    ap = argparse.ArgumentParser(prog="python -m kernels.gpu.packed12",
+    ap = argparse.ArgumentParser(prog="python -m specpilot.kernels.gpu.packed12",
                                  description="Escape rate and bytes per weight of a model's 2-D weights in packed12.")
     ap.add_argument("model_dir")
     ap.add_argument("--convert", action="store_true", help="round non-bf16 matrices to bf16 before packing")

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gpu.packed12 import MAX_KERNEL_ROWS, Packed12
+from specpilot.kernels.gpu.packed12 import MAX_KERNEL_ROWS, Packed12
 
 
 @triton.jit

@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kernels.reference.gguf_ref import QK_K, _f16, _nibbles, as_raw, dequantize, q4_k_scales, qtype_id, FORMATS
+from specpilot.kernels.reference.gguf_ref import QK_K, _f16, _nibbles, as_raw, dequantize, q4_k_scales, qtype_id, FORMATS
 
 MIN_NORMAL_EXP = -126  # float32's and bfloat16's smallest normal exponent
 # Every piece of x is a multiple of x's ulp, 2^(e - 23), and so is every exact sum of pieces times integer

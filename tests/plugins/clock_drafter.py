@@ -4,8 +4,8 @@ The judge times each request from outside, so it must measure this as fast as st
 
 import time
 
-from core.engine.drafters import ModelDrafter
-from core.mechanisms import register
+from specpilot.core.engine.drafters import ModelDrafter
+from specpilot.core.mechanisms import register
 
 FROZEN = time.perf_counter
 

@@ -2,7 +2,7 @@
 
 import os
 
-from core.engine.plugins import register_tree_policy
+from specpilot.core.engine.plugins import register_tree_policy
 
 
 def die(tree):

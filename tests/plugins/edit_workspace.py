@@ -4,7 +4,7 @@ guard must refuse the writes, so the candidate fails and every file stays as it 
 
 from pathlib import Path
 
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 here = Path(__file__).resolve().parent.parent
 (here.parent / "victim.txt").write_text("edited by a candidate")

@@ -3,9 +3,9 @@ reports says it is wonderful: huge accepted lengths, ~0 s per request and per st
 
 import time
 
-from core.engine.engine import Engine
-from core.engine.plugins import register_tree_policy
-from core.engine.tree import chain_paths
+from specpilot.core.engine.engine import Engine
+from specpilot.core.engine.plugins import register_tree_policy
+from specpilot.core.engine.tree import chain_paths
 
 _real_generate = Engine.generate
 _sleep = time.sleep

@@ -6,8 +6,8 @@ import time
 
 import torch
 
-from core.engine.plugins import register_tree_policy
-from core.engine.tree import chain_paths
+from specpilot.core.engine.plugins import register_tree_policy
+from specpilot.core.engine.tree import chain_paths
 
 for _name in ("perf_counter", "monotonic", "time", "process_time", "thread_time"):
     setattr(time, _name, lambda: 0.0)

@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from core.engine.plugins import register_tree_policy
+from specpilot.core.engine.plugins import register_tree_policy
 
 
 def never(tree):

@@ -2,8 +2,8 @@
 It is not part of the product (no recipe can name it unless a test registers it); token forcing and the
 judge must reject it."""
 
-from core.engine.decode import AcceptanceRule
-from core.mechanisms import register
+from specpilot.core.engine.decode import AcceptanceRule
+from specpilot.core.mechanisms import register
 
 
 def choices(logits, trees, ver, req, lengths):

@@ -5,8 +5,8 @@ candidate fails before anything is timed."""
 import json
 from pathlib import Path
 
-from core.engine.drafters import NgramDrafter
-from core.mechanisms import register
+from specpilot.core.engine.drafters import NgramDrafter
+from specpilot.core.mechanisms import register
 
 
 def build(engine, recipe, target, drafter_model):

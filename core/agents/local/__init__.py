@@ -12,20 +12,20 @@ code-writing agents fit on, catalogue which agent acts on which gap, and templat
 the code-writing agents fill in. Each agent says where its mechanism cannot apply with `applies(report)`.
 """
 
-from core.agents.local.adaptive_length import AdaptiveLengthAgent, adaptive_depth
-from core.agents.local.batching import BatchingAgent
-from core.agents.local.catalogue import DEFAULT_ORDER, GAP_AGENTS, KNOB_AGENTS
-from core.agents.local.common import LocalAgent, Option, Stream, draft_nodes
-from core.agents.local.draft_length import DraftLengthAgent
-from core.agents.local.drafter_choice import DrafterChoiceAgent
-from core.agents.local.drafter_format import DrafterFormatAgent
-from core.agents.local.hybrid_drafter import HybridDrafterAgent
-from core.agents.local.keys import CurveKey, DrafterKey
-from core.agents.local.remembered import MemoryAgent
-from core.agents.local.replays import ngram_runs
-from core.agents.local.runtime import RuntimeAgent
-from core.agents.local.tree_shape import TreeShapeAgent
-from core.agents.local.weight_format import WeightFormatAgent
+from specpilot.core.agents.local.adaptive_length import AdaptiveLengthAgent, adaptive_depth
+from specpilot.core.agents.local.batching import BatchingAgent
+from specpilot.core.agents.local.catalogue import DEFAULT_ORDER, GAP_AGENTS, KNOB_AGENTS
+from specpilot.core.agents.local.common import LocalAgent, Option, Stream, draft_nodes
+from specpilot.core.agents.local.draft_length import DraftLengthAgent
+from specpilot.core.agents.local.drafter_choice import DrafterChoiceAgent
+from specpilot.core.agents.local.drafter_format import DrafterFormatAgent
+from specpilot.core.agents.local.hybrid_drafter import HybridDrafterAgent
+from specpilot.core.agents.local.keys import CurveKey, DrafterKey
+from specpilot.core.agents.local.remembered import MemoryAgent
+from specpilot.core.agents.local.replays import ngram_runs
+from specpilot.core.agents.local.runtime import RuntimeAgent
+from specpilot.core.agents.local.tree_shape import TreeShapeAgent
+from specpilot.core.agents.local.weight_format import WeightFormatAgent
 
 __all__ = ["AdaptiveLengthAgent", "BatchingAgent", "CurveKey", "DEFAULT_ORDER", "DraftLengthAgent",
            "DrafterChoiceAgent", "DrafterFormatAgent", "DrafterKey", "GAP_AGENTS", "HybridDrafterAgent",

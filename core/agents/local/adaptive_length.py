@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import MAX_DEPTH, LocalAgent, Stream, pct, tree_label
-from core.agents.local.keys import DrafterKey
-from core.agents.local.replays import ngram_runs, rank0_runs
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import MAX_DEPTH, LocalAgent, Stream, pct, tree_label
+from specpilot.core.agents.local.keys import DrafterKey
+from specpilot.core.agents.local.replays import ngram_runs, rank0_runs
 
 ADAPTIVE_WINDOWS = (1, 2, 3, 4)
 ADAPTIVE_MARGINS = (0, 1, 2)

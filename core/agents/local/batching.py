@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import (KNEE, MAX_DEPTH, LocalAgent, Option, Stream, draft_nodes, evaluate, pct,
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import (KNEE, MAX_DEPTH, LocalAgent, Option, Stream, draft_nodes, evaluate, pct,
                                       static_tree)
-from core.engine.tree import static_prefixes
-from core.recipe import Recipe
+from specpilot.core.engine.tree import static_prefixes
+from specpilot.core.recipe import Recipe
 
 CURVE_POINTS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 

@@ -3,16 +3,16 @@ fields: what the registry picks a round's agents from."""
 
 from __future__ import annotations
 
-from core.agents.local.adaptive_length import AdaptiveLengthAgent
-from core.agents.local.batching import BatchingAgent
-from core.agents.local.common import LocalAgent
-from core.agents.local.draft_length import DraftLengthAgent
-from core.agents.local.drafter_choice import DrafterChoiceAgent
-from core.agents.local.drafter_format import DrafterFormatAgent
-from core.agents.local.hybrid_drafter import HybridDrafterAgent
-from core.agents.local.runtime import RuntimeAgent
-from core.agents.local.tree_shape import TreeShapeAgent
-from core.agents.local.weight_format import WeightFormatAgent
+from specpilot.core.agents.local.adaptive_length import AdaptiveLengthAgent
+from specpilot.core.agents.local.batching import BatchingAgent
+from specpilot.core.agents.local.common import LocalAgent
+from specpilot.core.agents.local.draft_length import DraftLengthAgent
+from specpilot.core.agents.local.drafter_choice import DrafterChoiceAgent
+from specpilot.core.agents.local.drafter_format import DrafterFormatAgent
+from specpilot.core.agents.local.hybrid_drafter import HybridDrafterAgent
+from specpilot.core.agents.local.runtime import RuntimeAgent
+from specpilot.core.agents.local.tree_shape import TreeShapeAgent
+from specpilot.core.agents.local.weight_format import WeightFormatAgent
 
 GAP_AGENTS: dict[str, tuple[type[LocalAgent], ...]] = {
     "acceptance": (TreeShapeAgent, DraftLengthAgent, HybridDrafterAgent),

@@ -7,12 +7,12 @@ import random
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local import templates
-from core.diffs import RECIPE_FILE, make_unified_diff
-from core.engine.tree import static_prefixes
-from core.memory import rejection_line, rejection_of
-from core.recipe import Recipe
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local import templates
+from specpilot.core.diffs import RECIPE_FILE, make_unified_diff
+from specpilot.core.engine.tree import static_prefixes
+from specpilot.core.memory import rejection_line, rejection_of
+from specpilot.core.recipe import Recipe
 
 MIN_GAIN = 0.01  # below this the judge's noise floor swallows the change: not worth a timing slot
 MAX_DEPTH = 8

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import (CHAIN_DEPTHS, MIN_GAIN, NGRAM_DEPTHS, LocalAgent, Option, Stream, best_of,
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import (CHAIN_DEPTHS, MIN_GAIN, NGRAM_DEPTHS, LocalAgent, Option, Stream, best_of,
                                       draft_nodes, evaluate, incumbent, static_tree, tree_label)
-from core.recipe import Recipe
+from specpilot.core.recipe import Recipe
 
 NGRAM_MAX = (1, 2, 3, 4, 5)
 

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import (CHAIN_DEPTHS, NGRAM_DEPTHS, LocalAgent, Stream, best_of, evaluate, pct,
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import (CHAIN_DEPTHS, NGRAM_DEPTHS, LocalAgent, Stream, best_of, evaluate, pct,
                                       tree_label)
-from core.agents.local.keys import DrafterKey
-from core.recipe import RecipeError
+from specpilot.core.agents.local.keys import DrafterKey
+from specpilot.core.recipe import RecipeError
 
 
 class DrafterChoiceAgent(LocalAgent):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import LocalAgent, Stream, evaluate, pct
-from core.agents.local.keys import CurveKey, drafter_curves
-from core.mechanisms import own_curves
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import LocalAgent, Stream, evaluate, pct
+from specpilot.core.agents.local.keys import CurveKey, drafter_curves
+from specpilot.core.mechanisms import own_curves
 
 MIN_CUT = 0.9  # an approximate format applies where its one-row forward costs under 90% of the drafter's own
 

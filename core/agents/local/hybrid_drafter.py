@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import MAX_DEPTH, LocalAgent, Stream, pct, tree_label
-from core.agents.local.replays import ngram_matches, ngram_runs, rank0_runs
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import MAX_DEPTH, LocalAgent, Stream, pct, tree_label
+from specpilot.core.agents.local.replays import ngram_matches, ngram_runs, rank0_runs
 
 
 class HybridDrafterAgent(LocalAgent):

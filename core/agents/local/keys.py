@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-from core.recipe import Recipe
+from specpilot.core.recipe import Recipe
 
 EARLY_EXIT = "early_exit"
 
@@ -59,7 +59,7 @@ class CurveKey:
     @classmethod
     def of(cls, recipe: Recipe) -> CurveKey:
         """The curve that prices `recipe`'s drafter model (what profile.drafter_variant_key names)."""
-        from core.costmodel.profile import drafter_variant_key
+        from specpilot.core.costmodel.profile import drafter_variant_key
 
         return cls.parse(drafter_variant_key(recipe))
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import LocalAgent, Stream, pct
-from core.deployment import Deployment
-from core.diffs import make_unified_diff
-from core.memory import apply_fragment, applicable, effect_of, rejection_of, remembered_plugins
-from core.recipe import RecipeError
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import LocalAgent, Stream, pct
+from specpilot.core.deployment import Deployment
+from specpilot.core.diffs import make_unified_diff
+from specpilot.core.memory import apply_fragment, applicable, effect_of, rejection_of, remembered_plugins
+from specpilot.core.recipe import RecipeError
 
 
 class MemoryAgent(LocalAgent):

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 def ngram_matches(tokens: list[int], prompt_len: int, ngram_max: int) -> dict[int, bool]:
     """For each position a step can start from, whether the engine's n-gram drafter finds a match there."""
-    from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+    from specpilot.core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
 
     drafter = NgramDrafter(ngram_max)
     drafter.reset([tokens[:prompt_len]], len(tokens) + 8)
@@ -22,8 +22,8 @@ def ngram_runs(tokens: list[int], prompt_len: int, n_out: int, ngram_max: int,
     """For each position i a step can start from, how many tokens of the n-gram drafter's chain (drafted on
     the true context up to i, as the engine's NgramDrafter does) equal the target's next ones. A chain's
     continuation at a shorter depth is a prefix of the deeper one, so min(run, depth) is what it accepts."""
-    from core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
-    from core.engine.tree import chain_paths
+    from specpilot.core.engine.drafters import DraftMode, NgramDrafter, TreeSpec
+    from specpilot.core.engine.tree import chain_paths
 
     last = len(tokens) - 1
     drafter = NgramDrafter(ngram_max)

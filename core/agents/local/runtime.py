@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import LocalAgent, Stream, evaluate, pct, report_device
-from core.mechanisms import builtin_names, curve
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import LocalAgent, Stream, evaluate, pct, report_device
+from specpilot.core.mechanisms import builtin_names, curve
 
 
 class RuntimeAgent(LocalAgent):

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import KNEE, MAX_DEPTH, LocalAgent, Stream, evaluate, incumbent, pct, static_tree
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import KNEE, MAX_DEPTH, LocalAgent, Stream, evaluate, incumbent, pct, static_tree
 
 BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
 DYNAMIC_SHAPES = ((16, 6), (32, 6), (64, 8))  # (budget, depth); EAGLE-2 style, topk 4

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from core.agents.base import AgentContext, AgentFailure, Candidate
-from core.agents.local.common import MIN_GAIN, LocalAgent, Stream, evaluate, pct, report_device
-from core.mechanisms import curve, own_curves
+from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
+from specpilot.core.agents.local.common import MIN_GAIN, LocalAgent, Stream, evaluate, pct, report_device
+from specpilot.core.mechanisms import curve, own_curves
 
 PACKED_BYTES = 12 / 16
 

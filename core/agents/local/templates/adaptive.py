@@ -3,7 +3,7 @@ requests' replayed acceptance: draft the mean accepted tokens of the last WINDOW
 most the tree's depth, so a stretch the drafter gets wrong costs short drafts and an easy one keeps full
 depth."""
 
-from core.mechanisms import register
+from specpilot.core.mechanisms import register
 
 WINDOW = 2
 MARGIN = 1

@@ -5,9 +5,9 @@ on the tokens committed meanwhile at its next draft, so a lookup step costs no m
 
 from typing import Any
 
-from core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
-from core.engine.tree import DraftTree
-from core.mechanisms import register
+from specpilot.core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
+from specpilot.core.engine.tree import DraftTree
+from specpilot.core.mechanisms import register
 
 MODEL_DEPTH = 3
 
