@@ -306,3 +306,82 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(s
     while not sched.idle():
         out += [t for ev in sched.step() if ev.id == c for t in ev.tokens]
     assert out == reference[6]
+
+
+def test_no_probe_where_even_the_best_acceptance_would_not_draft():
+    """A probe only corrects an acceptance estimate; where verifying t tokens costs t^2 times one, no estimate
+    up to ALPHA_MAX makes drafting pay, so the policy never probes (and never feeds the drafter)."""
+    from specpilot.core.engine.serve import ALPHA_MAX, MAX_DEPTH, PROBE_EVERY, best_uniform_depth
+
+    steep = CostTable({(2, t): 10.0 * t * t for t in range(1, MAX_DEPTH + 2)})
+    assert best_uniform_depth(steep, 2, ALPHA_MAX) == 0
+    policy = Policy("budget", TreeSpec("static", chain_paths(2)), steep)
+    assert all(policy.depths([0.5, 0.5]) == [0, 0] for _ in range(10 * PROBE_EVERY))
+
+
+class _Counting:
+    """Wraps a model's forward to count the tokens it is fed."""
+
+    def __init__(self, model):
+        self.model, self.tokens, self.calls = model, 0, 0
+        self.inner = model.step
+
+    def __call__(self, tokens, *args, **kwargs):
+        self.calls += 1
+        self.tokens += tokens.numel()
+        return self.inner(tokens, *args, **kwargs)
+
+
+def test_a_request_never_drafted_for_costs_the_drafter_nothing(setup, monkeypatch):
+    """Admission leaves the prompt pending in the drafter: served under a policy that drafts nothing at this
+    batch size, the drafter's model never runs, and the tokens are still AR's."""
+    from specpilot.core.engine.serve import MAX_DEPTH
+
+    engine, prompts, limits, reference, _ = setup
+    spec = TreeSpec("static", chain_paths(4))
+    drafter = engine.drafter_for(engine_recipe())
+    counting = _Counting(drafter.model)
+    monkeypatch.setattr(drafter.model, "step", counting)
+    steep = CostTable({(r, t): 10.0 * r * t * t for r in (1, 2, 3) for t in range(1, MAX_DEPTH + 2)})
+    out = serve(engine.target, drafter, prompts, limits, spec, Policy("budget", spec, steep), max_batch=3)
+    assert out.tokens == reference
+    assert counting.calls == 0
+
+
+def test_a_drafted_row_is_fed_its_prompt_once_and_alone(setup, monkeypatch):
+    """Under the fixed chain every admitted prompt longer than CATCH_UP is fed to the drafter once, in a
+    forward of its own (the prefill it used to get at admission), not padded into a drafting batch."""
+    from specpilot.core.engine.drafters import CATCH_UP
+
+    engine, prompts, limits, reference, _ = setup
+    spec = TreeSpec("static", chain_paths(4))
+    drafter = engine.drafter_for(engine_recipe())
+    fed = []
+    inner = drafter.model.extend_row
+
+    def extend_row(cache, row, tokens):
+        fed.append(list(tokens))
+        return inner(cache, row, tokens)
+
+    monkeypatch.setattr(drafter.model, "extend_row", extend_row)
+    out = serve(engine.target, drafter, prompts, limits, spec, Policy("fixed", spec), max_batch=3)
+    assert out.tokens == reference
+    long = [p[:-1] for p in prompts if len(p) > CATCH_UP]
+    assert len(long) >= 3 and sorted(fed) == sorted(long)
+
+
+def test_extend_row_appends_what_prefill_would_write(setup):
+    """prefill_row(a + b) and prefill_row(a) then extend_row(b) hold the same keys (float32 rounding aside)."""
+    import torch
+
+    engine, prompts, _, _, _ = setup
+    model, p = engine.drafter_model, prompts[-1]
+    whole, split = model.new_cache(1, 64), model.new_cache(1, 64)
+    with torch.inference_mode():
+        model.prefill_row(whole, 0, p)
+        model.prefill_row(split, 0, p[:5])
+        model.extend_row(split, 0, p[5:])
+    n = len(p)
+    assert int(whole.lengths[0]) == int(split.lengths[0]) == n
+    assert torch.allclose(whole.k[:, :, :, :n], split.k[:, :, :, :n], atol=1e-5)
+    assert torch.allclose(whole.v[:, :, :, :n], split.v[:, :, :, :n], atol=1e-5)

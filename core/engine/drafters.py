@@ -14,6 +14,8 @@ from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.sampling import filtered, seeded_scores
 from specpilot.core.engine.tree import DraftTree, static_prefixes
 
+CATCH_UP = 8  # pending tokens beyond which a row is fed alone before drafting, not padded into the draft batch
+
 
 @dataclass
 class TreeSpec:
@@ -88,6 +90,11 @@ class Drafter:
     def drop_last(self) -> None:
         raise NotImplementedError
 
+    def catch_up(self, least: int = CATCH_UP) -> None:
+        """Feed what admitted requests still owe the drafter's model (their prompts, tokens emitted while
+        nothing was drafted) before a step that drafts, so the step's own timing holds drafting alone. A
+        drafter that owes nothing (prompt lookup) keeps this no-op."""
+
 
 class ModelDrafter(Drafter):
     """A small causal LM (or the target's first layers) drafting level by level with tree attention."""
@@ -104,6 +111,7 @@ class ModelDrafter(Drafter):
         self.open(len(prompts), max_len)
         for p in prompts:
             self.admit(p)
+        self.catch_up(least=1)  # generate drafts from its first step: the prompts are its prefill
 
     def open(self, max_batch: int, max_len: int) -> None:
         if self.cache is None or self.cache.batch != max_batch or self.cache.max_len < max_len:
@@ -112,13 +120,24 @@ class ModelDrafter(Drafter):
         self.pending = []
 
     def admit(self, prompt: list[int]) -> int:
-        """Prefill the prompt (all but its last token) into the next row now, so later drafting steps only
-        ever feed a few pending tokens per row."""
+        """Take a request into the next row without running the model: its prompt waits as pending tokens
+        until the row is first drafted for. A request served while a batching policy drafts nothing (a wide
+        batch) then costs the drafter nothing at all."""
         row = len(self.pending)
-        with torch.inference_mode():
-            self.model.prefill_row(self.cache, row, list(prompt[:-1]))
-        self.pending.append([prompt[-1]])
+        self.cache.row(row).lengths.zero_()
+        self.pending.append(list(prompt))
         return row
+
+    def catch_up(self, least: int = CATCH_UP) -> None:
+        """Feed every row owing more than `least` tokens through one forward of its own (the prompt path for
+        a prompt), keeping its last token pending as the next draft's root; a drafting step then only feeds a
+        few pending tokens per row, not a batch padded to the longest prompt. A fresh row's forward is the
+        prefill it would have had at admission, bit for bit."""
+        with torch.inference_mode():
+            for row, owed in enumerate(self.pending):
+                if len(owed) > least:
+                    self.model.extend_row(self.cache, row, owed[:-1])
+                    self.pending[row] = owed[-1:]
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)
@@ -147,6 +166,7 @@ class ModelDrafter(Drafter):
         return idx.tolist(), vals.tolist()
 
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
+        self.catch_up()
         model = self.model
         B = len(self.pending)
         cache = self.view = self.cache.view(B)

@@ -279,14 +279,19 @@ class Transformer:
 
     def prefill_row(self, cache: KVCache, row: int, tokens: list[int]) -> None:
         """Write `tokens` into row `row` from slot 0 (other rows untouched) and set its length."""
+        cache.row(row).lengths.zero_()
+        self.extend_row(cache, row, tokens)
+
+    def extend_row(self, cache: KVCache, row: int, tokens: list[int]) -> None:
+        """Append `tokens` to row `row` after the slots it holds, in one forward (other rows untouched)."""
+        if not tokens:
+            return
         view = cache.row(row)
-        view.lengths.zero_()
-        if tokens:
-            n, dev = len(tokens), self.device
-            self.step(torch.tensor([tokens], device=dev), view, view.lengths, torch.arange(n, device=dev)[None],
-                      torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None],
-                      logits_at=torch.zeros(1, 0, dtype=torch.long, device=dev))
-        view.lengths.fill_(len(tokens))
+        n, dev = len(tokens), self.device
+        self.step(torch.tensor([tokens], device=dev), view, view.lengths, torch.arange(n, device=dev)[None],
+                  torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None],
+                  logits_at=torch.zeros(1, 0, dtype=torch.long, device=dev))
+        view.lengths += n
 
     def step(self, tokens: torch.Tensor, cache: KVCache, base: torch.Tensor, depths: torch.Tensor,
              ancestors: torch.Tensor | None, offset: int = 0,

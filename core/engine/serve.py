@@ -11,7 +11,8 @@ depth per step:
   budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
             size (down to 0: no speculation where it stops paying, with a 1-token probe step after
             PROBE_EVERY undrafted steps, then after twice as many each time a probe changes nothing, up
-            to PROBE_MAX, so the rows' acceptance estimates stay current at a bounded cost);
+            to PROBE_MAX, so the rows' acceptance estimates stay current at a bounded cost; none where even the best
+            acceptance would not draft);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
@@ -43,6 +44,7 @@ MAX_DEPTH = 8
 PRIOR_ACCEPTANCE = 0.6
 PROBE_EVERY = 16  # steps a policy may leave every row undrafted before one step drafts a token per row
 PROBE_MAX = 128  # the longest wait between probes that keep finding drafting not worth it
+ALPHA_MAX = 0.95  # the highest per-token acceptance a row's estimate can reach (samples are clipped to it)
 
 
 @dataclass
@@ -181,7 +183,9 @@ class Policy:
         """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
         Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
-        drafting out is corrected rather than kept for the rest of the run. A probe after which the policy
+        drafting out is corrected rather than kept for the rest of the run. No probe is taken where even the
+        best acceptance an estimate can reach (ALPHA_MAX) would draft nothing at this batch size: a probe then
+        could not change the answer, and it would feed the drafter every prompt it has been spared. A probe after which the policy
         still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so where speculation
         truly does not pay (a wide batch) the probes cost less and less; drafting again resets the wait."""
         depths = lookup("batching", self.name)(self, alphas)
@@ -190,11 +194,17 @@ class Policy:
             self.probe_every = PROBE_EVERY
             return depths
         self.idle += 1
-        if self.idle < self.probe_every:
+        if self.idle < self.probe_every or not self._could_draft(len(depths)):
             return depths
         self.idle = 0
         self.probe_every = min(2 * self.probe_every, PROBE_MAX)
         return [1] * len(depths)
+
+    def _could_draft(self, rows: int) -> bool:
+        """Whether drafting could pay at this batch size if every row's acceptance were ALPHA_MAX."""
+        if self.table is None:
+            return True
+        return best_uniform_depth(self.table, rows, ALPHA_MAX, overhead_ms=self.overhead_ms.get(rows)) > 0
 
     def observe(self, depths: list[int], step_ms: float) -> None:
         """Learn what a step of this batch size and depth (the deepest draft; the mean one on a ragged
@@ -397,6 +407,8 @@ class Scheduler:
                                                             req_ids), [True] * n)
             return trees if caps is None else [_truncate(t, d) for t, d in zip(trees, caps)]
 
+        if self.speculative and (depths is None or max(depths) > 0):
+            self.drafter.catch_up()  # admitted prompts and undrafted tokens: owed work, not this step's drafting
         vers = [self.requests[r].ver for r in self.rows]
         rule = self.rule if all(v == ver for v in vers) else mixed_rule(vers)
         taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, rule, req_ids, self.lengths, None)
@@ -407,7 +419,7 @@ class Scheduler:
             drafted = max(taken.trees[b].depths)
             if drafted:
                 seen = acceptance_sample(len(taken.paths[b]), drafted)
-                self.alphas[b] = 0.7 * self.alphas[b] + 0.3 * min(0.95, max(0.05, seen))
+                self.alphas[b] = 0.7 * self.alphas[b] + 0.3 * min(ALPHA_MAX, max(0.05, seen))
             req = self.requests[self.rows[b]]
             new, finish = [], None
             for t in taken.emitted[b]:
