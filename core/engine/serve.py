@@ -11,8 +11,8 @@ depth per step:
   budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
             size (down to 0: no speculation where it stops paying, with a 1-token probe step after
             PROBE_EVERY undrafted steps, then after twice as many each time a probe changes nothing, up
-            to PROBE_MAX, so the rows' acceptance estimates stay current at a bounded cost; none where even the best
-            acceptance would not draft);
+            to PROBE_MAX, so the rows' acceptance estimates stay current at a bounded cost; no probe
+            where even the best acceptance would not draft);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
@@ -185,9 +185,10 @@ class Policy:
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
         drafting out is corrected rather than kept for the rest of the run. No probe is taken where even the
         best acceptance an estimate can reach (ALPHA_MAX) would draft nothing at this batch size: a probe then
-        could not change the answer, and it would feed the drafter every prompt it has been spared. A probe after which the policy
-        still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so where speculation
-        truly does not pay (a wide batch) the probes cost less and less; drafting again resets the wait."""
+        could not change the answer, and it would feed the drafter every prompt it has been spared. A probe
+        after which the policy still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so
+        where speculation truly does not pay (a wide batch) the probes cost less and less; drafting again
+        resets the wait."""
         depths = lookup("batching", self.name)(self, alphas)
         if depths is None or max(depths, default=0) > 0:
             self.idle = 0
