@@ -10,6 +10,8 @@ import time
 
 from real_pair import load
 
+from specpilot.core.recipe import builtin
+
 
 def timed(obj: object, name: str, spent: dict[str, float]) -> None:
     """Wrap obj.name so its seconds add up in spent[name]."""
@@ -26,8 +28,6 @@ def timed(obj: object, name: str, spent: dict[str, float]) -> None:
 
 def main() -> None:
     threads, n, new, batch = (int(a) for a in sys.argv[1:5])
-    from specpilot.core.recipe import builtin
-
     pair = load(n, threads=threads)
     engine, base = pair.engine, builtin("stock-gguf-q4")
     for name in sys.argv[5:] or ["ar", "budget"]:
