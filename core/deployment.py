@@ -1,4 +1,4 @@
-"""A deployment: target, drafter, workload, device and dtype; the shipped demo is the default."""
+"""A deployment: target, drafter, workload, device, dtype and numerics; the shipped demo is the default."""
 
 from __future__ import annotations
 
@@ -30,12 +30,14 @@ class Deployment:
     threads: int = 0
     target_source: str = ""
     drafter_source: str = ""
+    numerics: str = "f32"
 
     def __post_init__(self) -> None:
         """A `.gguf` target or drafter is materialised once into a cached checkpoint directory (see
         core/engine/gguf_checkpoint.py), so every consumer sees a directory; the file stays named in *_source.
-        A GGUF deployment defaults to float32, the dtype its dequantised weights are exact in."""
-        from specpilot.core.engine import gguf_checkpoint
+        A GGUF deployment defaults to float32, the dtype its dequantised weights are exact in. Numerics are
+        checked here (an unknown name, or q8 on a float checkpoint, is a one-line error)."""
+        from specpilot.core.engine import gguf_checkpoint, numerics
 
         if self.drafter in ("none", ""):
             self.drafter = None
@@ -50,6 +52,9 @@ class Deployment:
             self.dtype = "float32" if from_gguf else default_dtype(self.device)
         if self.threads == 0:
             self.threads = 1 if self.device == "cpu" else 0
+        numerics.check(self.numerics)
+        if self.numerics != "f32" and not self.target_source:
+            numerics.require_gguf(self.numerics, self.target)
 
     def apply_threads(self) -> None:
         """Pin torch's intra-op threads: on a small shared CPU one thread avoids OpenMP spin contention
@@ -62,7 +67,7 @@ class Deployment:
     @classmethod
     def from_args(cls, args) -> "Deployment":
         """From argparse options --target/--drafter/--workload/--device/--dtype (missing ones: the demo)."""
-        values = {k: str(getattr(args, k)) for k in ("target", "drafter", "workload", "device", "dtype")
+        values = {k: str(getattr(args, k)) for k in ("target", "drafter", "workload", "device", "dtype", "numerics")
                   if getattr(args, k, None) is not None}
         if getattr(args, "threads", None):
             values["threads"] = int(args.threads)
@@ -86,8 +91,9 @@ class Deployment:
         return asdict(self)
 
     def fingerprint(self) -> str:
-        """Identity of the deployment for memory: model configs, device kind and dtype, not paths."""
-        parts = [self.device.split(":")[0], self.dtype]
+        """Identity of the deployment for memory: model configs, device kind, dtype and numerics, not paths
+        (f32, the default, adds nothing, so fingerprints stored before numerics existed still match)."""
+        parts = [self.device.split(":")[0], self.dtype] + ([self.numerics] if self.numerics != "f32" else [])
         for path in (self.target, self.drafter):
             cfg = Path(path or "") / "config.json"
             parts.append(cfg.read_text() if path and cfg.is_file() else "none")
@@ -96,4 +102,4 @@ class Deployment:
     def describe(self) -> str:
         target = Path(self.target_source or self.target).name
         drafter = Path(self.drafter_source or self.drafter).name if self.drafter else "none"
-        return f"{target} + {drafter} on {self.device} ({self.dtype})"
+        return f"{target} + {drafter} on {self.device} ({self.dtype}, numerics {self.numerics})"

@@ -15,6 +15,12 @@ a larger margin is a clear one.
 
 A recipe passes when its mismatch rate <= stock's rate (measured in the same run, on the same requests)
 + 0.5 percentage points.
+
+That is the f32 numerics, whose reference is another program (transformers). Under any other numerics
+(core/engine/numerics.py: q8) the reference is the deployment's own plain decoding, run here in the judge's
+process (`PlainDecoding`): its kernels are batch-invariant, so one forward over prompt + output gives at
+every position the logits plain decoding computes, bit for bit, and the threshold is 0 mismatches with no
+near-tie allowance (`exact_threshold`).
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import torch
 
 from specpilot.core.engine import Engine
 from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.sampling import seeded_scores
 from specpilot.core.recipe import Recipe
 from specpilot.core.recipe import stock as deployment_stock
@@ -65,11 +72,49 @@ class ForcingResult:
         return {**asdict(self), "rate": self.rate, "clear_mismatches": self.clear}
 
 
-def load_reference(target_dir: str, dtype: str = "float32", device: str = "cpu"):
-    """The stock reference: the transformers model of the target checkpoint, float32 unless told."""
+class PlainDecoding:
+    """The forcing reference of a deployment whose numerics are not f32: its own target model (the judge's, never
+    a candidate's), scoring prompt + output in one forward from an empty cache."""
+
+    exact = True
+
+    def __init__(self, model: Transformer) -> None:
+        self.model = model
+        self.numerics = model.numerics
+
+    def logits(self, tokens: list[int], start: int) -> torch.Tensor:
+        """Logits [len(tokens) - start, V] at positions start..end of `tokens`, float32."""
+        m, n = self.model, len(tokens)
+        cache = m.new_cache(1, n)
+        dev = m.device
+        with torch.inference_mode():
+            out = m.step(torch.tensor([tokens], device=dev), cache, cache.lengths, torch.arange(n, device=dev)[None],
+                         torch.tril(torch.ones(n, n, dtype=torch.bool, device=dev))[None],
+                         logits_at=torch.arange(start, n, device=dev)[None])
+        return out[0]
+
+
+def load_reference(target_dir: str, dtype: str = "float32", device: str = "cpu", engine: Engine | None = None):
+    """The stock reference: for an engine whose numerics are not f32, its own plain decoding (PlainDecoding);
+    else the transformers model of the target checkpoint, float32 unless told."""
+    if engine is not None and engine.numerics != "f32":
+        return PlainDecoding(engine.target)
     from specpilot.core.hf import hf_model
 
     return hf_model(target_dir, dtype, device)
+
+
+def exact_threshold(reference) -> bool:
+    """Whether `reference` is the deployment's own decoding: then any mismatch fails, near-tie or not."""
+    return bool(getattr(reference, "exact", False))
+
+
+def _reference_logits(reference, tokens: list[int], start: int) -> torch.Tensor:
+    if isinstance(reference, PlainDecoding):
+        return reference.logits(tokens, start)
+    dev = next(reference.parameters()).device
+    with torch.inference_mode():
+        return reference(input_ids=torch.tensor([tokens], device=dev), use_cache=False).logits[0, start:]
 
 
 def _choices(logits: torch.Tensor, ver: Verification, request_id: int, start: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,16 +139,13 @@ def force(reference, prompts: list[list[int]], outputs: list[list[int]], limits:
                            "checks greedy and seeded outputs (use seeded sampling to force sampled decoding)")
     eos = set(eos_token_ids)
     ids = request_ids if request_ids is not None else list(range(len(prompts)))
-    dev = next(reference.parameters()).device
     res = ForcingResult()
     for prompt, out, limit, rid in zip(prompts, outputs, limits, ids):
         end = next((i + 1 for i, t in enumerate(out) if t in eos), len(out))
         checked = out[: min(end, limit)]
         wrong: list[int] = []
         if checked:
-            seq = torch.tensor([list(prompt) + checked[:-1]], device=dev)
-            with torch.inference_mode():
-                logits = reference(input_ids=seq, use_cache=False).logits[0, len(prompt) - 1:]
+            logits = _reference_logits(reference, list(prompt) + checked[:-1], len(prompt) - 1)
             choice, margin = _choices(logits, ver, rid, len(prompt))
             bad = (choice.cpu() != torch.tensor(checked)).nonzero()[:, 0]
             wrong = bad.tolist()
@@ -168,12 +210,12 @@ def compare(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], lim
         if engine.target_dir is None:
             raise ForcingError("the engine has no target checkpoint directory to load the reference from; "
                                "pass `reference`")
-        reference = load_reference(engine.target_dir, reference_dtype, str(engine.device))
+        reference = load_reference(engine.target_dir, reference_dtype, str(engine.device), engine)
     if stock is None:
         stock_recipe, speculative = stock_for(engine, recipe)
         stock = run_forced(engine, stock_recipe, prompts, limits, reference, request_ids, speculative)
     result = run_forced(engine, recipe, prompts, limits, reference, request_ids)
-    threshold = stock.rate + MARGIN_PP
+    threshold = 0.0 if exact_threshold(reference) else stock.rate + MARGIN_PP
     return {
         "recipe_name": recipe.name if recipe is not None else "ar",
         "stock_rate": stock.rate,
@@ -185,7 +227,14 @@ def compare(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], lim
         "near_ties": result.near_ties,
         "clear_mismatches": result.clear,
         "epsilon": EPSILON,
-        "reference_dtype": str(next(reference.parameters()).dtype).removeprefix("torch."),
+        "reference": _describe(reference),
         "stock": stock.to_dict(),
         "result": result.to_dict(),
     }
+
+
+def _describe(reference) -> str:
+    """What the forcing compared against, for reports: the numerics' own decoding or transformers' dtype."""
+    if isinstance(reference, PlainDecoding):
+        return f"our {reference.numerics} plain decoding (exact: 0 mismatches allowed)"
+    return "transformers " + str(next(reference.parameters()).dtype).removeprefix("torch.")

@@ -225,7 +225,10 @@ class Judge:
 
     @property
     def threshold(self) -> float:
-        """The forcing threshold: stock's own mismatch rate in this run + 0.5 percentage points."""
+        """The forcing threshold: stock's own mismatch rate in this run + 0.5 percentage points at f32 (the
+        reference is another program); 0 under other numerics, whose reference is the deployment's own decoding."""
+        if self.deployment.numerics != "f32":
+            return 0.0
         return (self.stock_rate or 0.0) + 0.005
 
     def calibrate(self, incumbent: Recipe, stock: Recipe, versus_ar: list[JudgeRequest] | None = None) -> dict:

@@ -24,7 +24,8 @@ class RunContext:
     _tools_factory: Callable | None = None
 
     def force(self, requests: list[JudgeRequest], outputs: list[list[int]], recipe: Recipe) -> dict:
-        """Token forcing of `outputs` against the transformers reference (runs in the judge's process)."""
+        """Token forcing of `outputs` against the deployment's reference (transformers at f32, our own plain
+        decoding under other numerics), in the judge's process."""
         from specpilot.core.forcing import _verification, force
 
         result = force(self.reference, [r.prompt for r in requests], outputs, [r.max_new_tokens for r in requests],
@@ -64,7 +65,8 @@ def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tok
     from specpilot.core.workload import encode, load, split
 
     deployment.apply_threads()
-    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
+                         deployment.numerics)
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     requests = load(deployment.workload)
     index = {r.id: i for i, r in enumerate(requests)}
@@ -80,7 +82,7 @@ def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tok
         if len(r.prompt) + r.max_new_tokens > ctx_limit:
             raise ValueError(f"request {r.id}: prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} "
                              f"exceeds the model's context of {ctx_limit}; shorten it or lower --max-new-tokens")
-    reference = load_reference(deployment.target, "float32", deployment.device)
+    reference = load_reference(deployment.target, "float32", deployment.device, engine)
     ar = timed_run(engine, None, [r.prompt for r in tuning], [r.max_new_tokens for r in tuning],
                    [r.index for r in tuning])
     ar_tps = ar.new_tokens / sum(ar.seconds) if sum(ar.seconds) > 0 else 0.0

@@ -98,7 +98,7 @@ def _serve(reply_fd: int) -> None:
                     import torch
 
                     torch.set_num_threads(int(d["threads"]))
-                engine = Engine.load(d["target"], d.get("drafter"), d["dtype"], d["device"])
+                engine = Engine.load(d["target"], d.get("drafter"), d["dtype"], d["device"], d.get("numerics", "f32"))
                 recipe = Recipe.from_toml(msg["recipe"]) if msg.get("recipe") else None
                 send({"ok": True})
             elif msg["op"] == "generate":

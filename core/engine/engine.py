@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from specpilot.core.engine import numerics as numerics_
 from specpilot.core.engine.config import ModelLoadError
 from specpilot.core.engine.decode import GenerateResult, Verification, generate
 from specpilot.core.engine.drafters import Drafter, ModelDrafter, TreeSpec
@@ -38,6 +39,7 @@ class Engine:
     def __init__(self, target: Transformer, drafter_model: Transformer | None = None,
                  target_dir: str | None = None, drafter_dir: str | None = None) -> None:
         self.target = target
+        self.numerics = target.numerics
         self.drafter_model = drafter_model
         self.target_dir = target_dir
         self.drafter_dir = drafter_dir
@@ -47,10 +49,14 @@ class Engine:
 
     @classmethod
     def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32",
-             device: str = "cpu") -> "Engine":
-        """Load the target (and drafter); a drafter whose vocabulary differs from the target's is refused."""
+             device: str = "cpu", numerics: str = "f32") -> "Engine":
+        """Load the target in the deployment's `numerics` (core/engine/numerics.py) and the drafter; a drafter
+        whose vocabulary differs from the target's is refused."""
         target_dir = Path(target_dir)
+        source = numerics_.require_gguf(numerics, str(target_dir))
         target = Transformer.load(str(target_dir), dtype, device)
+        if source is not None:
+            target = numerics_.q8_transformer(target, source)
         drafter = None
         if drafter_dir is not None:
             drafter_dir = Path(drafter_dir)
@@ -72,10 +78,12 @@ class Engine:
         check_recipe(recipe)
         target, drafter = self.target, self.drafter_model
         fmt, backend = recipe.weights.format, recipe.runtime.linear
+        numerics_.check_recipe(self.numerics, fmt, backend)
         self._budget(recipe)
         if fmt != "native":
             convert = lookup("weight_format", fmt)
-            target = self._converted(fmt, lambda: convert(self.target, self.target_dir, recipe))
+            if self.numerics == "f32":  # under other numerics the target's products are the deployment's own
+                target = self._converted(fmt, lambda: convert(self.target, self.target_dir, recipe))
             if recipe.weights.drafter and drafter is not None:
                 drafter = self._converted(fmt + ":drafter",
                                           lambda: convert(self.drafter_model, self.drafter_dir, recipe))

@@ -134,12 +134,35 @@ class StepInputs:
             allowed = (rel < 0)[:, None, :] | (tree & in_tree[:, None, :])
             mask = torch.zeros(B, 1, T, self.span, dtype=model.dtype, device=tokens.device)
             self.mask = mask.masked_fill_(~allowed[:, None], torch.finfo(model.dtype).min)
+        self._visible: torch.Tensor | None = None
+
+    @property
+    def visible(self) -> torch.Tensor | None:
+        """The mask as bool [B, T, span] (None: every slot visible), for the fixed-order attention; built once
+        per step, on first use."""
+        if self._visible is None and self.mask is not None:
+            self._visible = self.mask[:, 0] == 0
+        return self._visible
+
+
+def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
+    """torch's attention (the f32 numerics): its blocking may depend on the call's shape."""
+    gqa = q.shape[1] != keys.shape[1]
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=gqa)
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """torch's SwiGLU product (the f32 numerics)."""
+    return F.silu(gate) * up
 
 
 class Transformer:
     """Weights plus a forward over (tokens, per-row lengths, tree ancestry) that writes the KV cache."""
 
     ragged = False  # whether step() computes only each row's real tokens when given their sizes
+    numerics = "f32"  # the arithmetic of this model's products (core/engine/numerics.py)
+    attention = staticmethod(sdpa)  # (q, keys, values, step) -> attention output; q8 sets a fixed-order one
+    silu_mul = staticmethod(silu_mul)
 
     def __init__(self, cfg: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype,
                  device: torch.device | str, num_layers: int | None = None) -> None:
@@ -267,10 +290,10 @@ class Transformer:
             cache.k[i].scatter_(2, step.write_index, qk[:, :, H:].transpose(1, 2))
             cache.v[i].scatter_(2, step.write_index, v.transpose(1, 2))
             keys, values = cache.k[i][:, :, :span], cache.v[i][:, :, :span]
-            attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=step.mask, enable_gqa=H != Hkv)
+            attn = self.attention(q, keys, values, step)
             x = x + layer.o(attn.transpose(1, 2).reshape(B, T, H * D))
             gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
+            x = x + layer.down(self.silu_mul(gate, up))
         if logits_at is not None:
             if logits_at.numel() == 0:
                 return None
