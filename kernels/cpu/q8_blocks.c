@@ -1,0 +1,798 @@
+/* The q8 product on GGUF blocks: y[M, N] = x_q[M, K] . W[N, K] in llama.cpp's arithmetic, bit for bit the
+ * oracle kernels/reference/q8_ref.py (8-bit activations per 256 values, exact integer sums per weight block,
+ * one float combination per block, the blocks of a row summed in order from 0.0).
+ *
+ * Why: a decode or verify step reads every weight once; multiplying 8-bit activations by the blocks' integer
+ * codes makes the arithmetic as cheap as the read, and the integers are exact, so a row's result never depends
+ * on how many rows share a call, how they are grouped or how the output rows are split over threads.
+ *
+ * Layout of the work, as ik_llama.cpp's few-row kernels: a thread owns a range of tiles of 16 weight rows. For
+ * each chunk of 256 values along K (a Q4_K/Q6_K superblock, or eight 32-blocks) the tile's 16 blocks are
+ * unpacked ONCE into an L1 scratch, transposed so that one 512-bit vector holds 4 consecutive codes of each of
+ * the 16 rows (an int32 lane per weight row). Then every activation row, 8 at a time, runs the same sequence:
+ * one dpbusd per 4 values takes the row's 4 activations broadcast against the 16 rows' codes, so the integer
+ * sum of each weight row's sub-block builds up in its own lane, with no horizontal sums at all; the sub-block
+ * scales multiply lane-wise (int32) and the float combination runs on 16 weight rows at once, each lane doing
+ * exactly the scalar operations of the oracle. Up to 16 activation rows share a pass; more take further passes.
+ *
+ * Two instruction sets give the same bits (the integers are exact and the float steps are the same IEEE
+ * operations lane by lane): AVX-512 VNNI (vpdpbusd) where the CPU has it, chosen at run time, and AVX2
+ * (vpmaddubsw + vpmaddwd, whose 16-bit pair sums cannot saturate for these codes) everywhere else. Both are
+ * generated from one text: this file includes itself once per instruction set (Q8_ISA).
+ * Codes are fed unsigned (vpdpbusd multiplies unsigned by signed bytes) and activations signed: Q8_0's codes
+ * are stored + 128 and Q5_0's and Q6_K's as their unsigned fields, the offsets coming back exactly through
+ * the activations' block sums (the dot of a sub-block starts from -offset * bsum instead of 0).
+ * Compiled with -ffp-contract=off: no multiply and add in the float combination may fuse.
+ */
+#ifndef Q8_ISA /* ---------------- common part ---------------- */
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* The block formats q8 multiplies (GGML type id, values and bytes per block), as gguf_blocks.c's table. */
+#define Q8_FORMATS(X)           \
+    X(Q4_1, q4_1, 3, 32, 20)    \
+    X(Q5_0, q5_0, 6, 32, 22)    \
+    X(Q8_0, q8_0, 8, 32, 34)    \
+    X(Q4_K, q4_k, 12, 256, 144) \
+    X(Q6_K, q6_k, 14, 256, 210)
+#define X_ENUM(N, stem, id, block, bytes) T_##N = id, BYTES_##N = bytes,
+enum { Q8_FORMATS(X_ENUM) T_LIMIT = 15 };
+#undef X_ENUM
+
+#define QA 256           /* activation values per scale; also the K chunk a tile decodes at a time */
+#define KG (QA / 4)      /* 4-value groups in a chunk */
+#define PASS 16          /* activation rows per pass over the weights */
+#define PREFETCH_AHEAD 8 /* chunks ahead of the decoder that the prefetcher asks for (2: 44 ms a 1-row pass, 8: 40) */
+#define MIN_WORK_PER_THREAD (1L << 20) /* weights x rows worth waking a thread for */
+
+typedef struct {
+    const char *name;
+    long block, bytes;
+} traits_t;
+#define X_TRAITS(N, stem, id, block, bytes) [id] = {#N, block, bytes},
+static const traits_t TRAITS[T_LIMIT] = {Q8_FORMATS(X_TRAITS)};
+#undef X_TRAITS
+
+/* a lane per weight row of a tile: 16 on the AVX-512 path, 8 on the AVX2 path */
+typedef int32_t v16i __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef float v8f __attribute__((vector_size(32)));
+
+/* One activation row as the dot kernels read it: its codes, its 256-block scales, and a per-format table
+ * (act_tables) of offset terms built from its block sums. */
+typedef struct {
+    const int8_t *q;
+    const float *d;
+    const int32_t *aux;
+} xrow_t;
+
+typedef struct {
+    const xrow_t *x;
+    long m, k, chunks;
+    const uint8_t *w;
+    long n, row_bytes, chunk_bytes;
+    int qtype;
+    float *y;
+    long ldy, tile_lo, tile_hi;
+} job_t;
+
+int q8_supported(int qtype) { return qtype >= 0 && qtype < T_LIMIT && TRAITS[qtype].name; }
+
+/* The table as the kernel sees it: values and bytes per block of `qtype`, and its name; -1 if unsupported. */
+int q8_traits(int qtype, long *block, long *bytes, const char **name) {
+    if (!q8_supported(qtype)) return -1;
+    *block = TRAITS[qtype].block, *bytes = TRAITS[qtype].bytes, *name = TRAITS[qtype].name;
+    return 0;
+}
+
+/* ---- activation quantisation (AVX2; q8_ref.quantize step by step) ---- */
+
+static inline int32_t hsum8i(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* The value of largest magnitude in x[0..len) (len a multiple of 8), the first one if several tie. */
+static float signed_max(const float *x, long len) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    __m256 vmax = _mm256_setzero_ps();
+    for (long i = 0; i < len; i += 8) vmax = _mm256_max_ps(vmax, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    __m256 amax = _mm256_broadcastss_ps(m);
+    for (long i = 0; i < len; i += 8) {
+        int hit = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)), amax, _CMP_EQ_OQ));
+        if (hit) return x[i + __builtin_ctz(hit)];
+    }
+    return 0.0f;
+}
+
+/* One activation block of len values (a multiple of 32): q = min(127, nearest_even(iscale * x)) with
+ * iscale = -127 / max, d = 1 / iscale; all zero when max is 0. bs gets the sums of each 16 q. */
+static void quantize_block(const float *x, long len, int8_t *q, float *d, int32_t *bs) {
+    float mx = signed_max(x, len);
+    if (mx == 0.0f) {
+        memset(q, 0, len);
+        memset(bs, 0, sizeof(int32_t) * (len / 16));
+        *d = 0.0f;
+        return;
+    }
+    float iscale = -127.0f / mx;
+    const __m256 is = _mm256_set1_ps(iscale), top = _mm256_set1_ps(127.0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (long i = 0; i < len; i += 16) {
+        __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(
+            _mm256_round_ps(_mm256_mul_ps(is, _mm256_loadu_ps(x + i)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+            top));
+        __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(
+            _mm256_round_ps(_mm256_mul_ps(is, _mm256_loadu_ps(x + i + 8)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
+            top));
+        __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8); /* 16 int16 in order */
+        _mm_storeu_si128((__m128i *)(q + i),
+                         _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
+        bs[i / 16] = hsum8i(_mm256_madd_epi16(w, ones));
+    }
+    *d = 1.0f / iscale;
+}
+
+/* x [m, k] (row stride ldx, k a multiple of 32) -> q int8 [m, k], d float [m, ceil(k / 256)], bsums int32
+ * [m, k / 16]: q8_ref.quantize. */
+void q8_quantize(const float *x, long m, long k, long ldx, int8_t *q, float *d, int32_t *bsums) {
+    long nblk = (k + QA - 1) / QA;
+    for (long i = 0; i < m; i++)
+        for (long b = 0; b < nblk; b++) {
+            long len = k - b * QA < QA ? k - b * QA : QA;
+            quantize_block(x + i * ldx + b * QA, len, q + i * k + b * QA, d + i * nblk + b,
+                           bsums + i * (k / 16) + b * (QA / 16));
+        }
+}
+
+/* The offsets the dot kernels start from, per activation row (k / 16 int32 at most), from its block sums:
+ * Q4_K: the pairs (bsum of sub-block 2i, of 2i+1) of 32-value sums as int16 pairs, 4 a superblock, for the
+ * mins; Q6_K: -32 * bsum of each 16 (its codes are q + 32); Q5_0: -16 * the 32-sum (codes q + 16); Q8_0:
+ * -128 * the 32-sum (codes q + 128); Q4_1: the 32-sums as float, for its m term. */
+static void act_table(int qtype, const int32_t *bs, long k, int32_t *aux) {
+    for (long i = 0; i < k / 32; i++) {
+        int32_t s = bs[2 * i] + bs[2 * i + 1];
+        switch (qtype) {
+        case T_Q4_K:
+            if (i % 2) aux[i / 2] |= (int32_t)((uint32_t)(uint16_t)s << 16);
+            else aux[i / 2] = (uint16_t)s;
+            break;
+        case T_Q6_K: aux[2 * i] = -32 * bs[2 * i], aux[2 * i + 1] = -32 * bs[2 * i + 1]; break;
+        case T_Q5_0: aux[i] = -16 * s; break;
+        case T_Q8_0: aux[i] = -128 * s; break;
+        case T_Q4_1: {
+            float f = (float)s;
+            memcpy(aux + i, &f, 4);
+            break;
+        }
+        }
+    }
+}
+
+/* The prefetch stream of a job, PREFETCH_AHEAD chunks ahead of the decoder along the job's order (a tile's
+ * chunks, then the next tile's): the lines at 0, 64, .. of each row-chunk (a chunk's last line is mostly the
+ * next one's first). Prefetching never faults, so a short last chunk may ask past its row. */
+typedef struct {
+    long t, c;              /* the tile and chunk it asks for next */
+    const char *base[16];   /* that tile's rows */
+} pf_t;
+
+/* Always inlined, like pf_step: out of line GCC finds a function that only prefetches free of side effects and
+ * deletes its calls. */
+static inline __attribute__((always_inline)) void pf_tile(pf_t *p, const job_t *j, long t, int lanes) {
+    p->t = t, p->c = 0;
+    for (int r = 0; r < lanes; r++)
+        p->base[r] = (const char *)j->w + (t * lanes + r < j->n ? t * lanes + r : j->n - 1) * j->row_bytes;
+}
+
+/* cb: the format's chunk bytes, a constant where each format's chunk function calls it (unrolled lines) */
+static inline __attribute__((always_inline)) void pf_step(pf_t *p, const job_t *j, int lanes, const long cb) {
+    if (p->t >= j->tile_hi) return;
+    long at = p->c * cb;
+    for (int r = 0; r < lanes; r++)
+        _Pragma("GCC unroll 8") for (long b = 0; b < cb; b += 64) _mm_prefetch(p->base[r] + at + b, _MM_HINT_T0);
+    if (++p->c == j->chunks) pf_tile(p, j, p->t + 1, lanes);
+}
+
+/* ---- the product, once per instruction set ---- */
+#define Q8_ISA 512
+#include __FILE__
+#undef Q8_ISA
+#define Q8_ISA 256
+#include __FILE__
+#undef Q8_ISA
+
+/* -1 undecided, 0 the AVX2 path, 1 the AVX-512 VNNI path (where the CPU has it) */
+static int isa = -1;
+
+static int has_vnni512(void) {
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* Select the path (want 0: AVX2, 1: AVX-512 VNNI where supported, -1: only report); returns the one in use. */
+int q8_isa(int want) {
+    int has512 = has_vnni512();
+    if (want >= 0) isa = want && has512;
+    if (isa < 0) isa = has512;
+    return isa;
+}
+
+/* One pass: up to PASS activation rows against every weight row, the tiles shared among `threads`. */
+static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, long n, long row_bytes, int qtype, float *y,
+                     long ldy, int threads) {
+    int wide = q8_isa(-1);
+    long lanes = wide ? 16 : 8, tiles = (n + lanes - 1) / lanes, block = TRAITS[qtype].block;
+    long chunk_bytes = TRAITS[qtype].bytes * (QA / block);
+    long per_thread = MIN_WORK_PER_THREAD / m + 1;
+    if (threads > n * k / per_thread) threads = (int)(n * k / per_thread);
+    if (threads > tiles) threads = (int)tiles;
+    if (threads > 64) threads = 64;
+    if (threads < 1) threads = 1;
+    job_t jobs[64];
+    for (int t = 0; t < threads; t++)
+        jobs[t] = (job_t){x, m, k, (k + QA - 1) / QA, w, n, row_bytes, chunk_bytes, qtype, y, ldy,
+                          tiles * t / threads, tiles * (t + 1) / threads};
+    void (*body)(const job_t *) = wide ? run_tiles_512 : run_tiles_256;
+    /* on the process's OpenMP team: torch's own threads, as gguf_blocks.c does */
+#pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
+    for (int t = 0; t < threads; t++) body(&jobs[t]);
+}
+
+/* y[m, n] (row stride ldy) = the q8 product of quantised activations (q [m, k], d [m, ceil(k / 256)], bsums
+ * [m, k / 16], as q8_quantize writes them) and W, n stored rows of row_bytes in format qtype (never written).
+ * Rows past PASS take further passes. Returns 0, or -1 for bad arguments. */
+int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, long k, const uint8_t *w, long n,
+              long row_bytes, int qtype, float *y, long ldy, int threads) {
+    if (!q8_supported(qtype) || m < 0 || n < 0 || k <= 0 || k % 32 || k % TRAITS[qtype].block ||
+        row_bytes != k / TRAITS[qtype].block * TRAITS[qtype].bytes)
+        return -1;
+    if (m == 0 || n == 0) return 0;
+    long nblk = (k + QA - 1) / QA;
+    int32_t *aux = malloc(sizeof(int32_t) * m * (k / 16));
+    if (!aux) return -1;
+    xrow_t x[PASS];
+    for (long m0 = 0; m0 < m; m0 += PASS) {
+        long rows = m - m0 < PASS ? m - m0 : PASS;
+        for (long i = 0; i < rows; i++) {
+            act_table(qtype, bsums + (m0 + i) * (k / 16), k, aux + (m0 + i) * (k / 16));
+            x[i] = (xrow_t){q + (m0 + i) * k, d + (m0 + i) * nblk, aux + (m0 + i) * (k / 16)};
+        }
+        run_pass(x, rows, k, w, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
+    }
+    free(aux);
+    return 0;
+}
+
+/* q8_quantize then q8_matmul in one call (one foreign call per product for a caller with float rows). */
+int q8_linear(const float *x, long m, long k, long ldx, const uint8_t *w, long n, long row_bytes, int qtype, float *y,
+              long ldy, int threads) {
+    if (k <= 0 || k % 32 || m < 0) return -1;
+    long nblk = (k + QA - 1) / QA;
+    int8_t *q = malloc(m * k + sizeof(float) * m * nblk + sizeof(int32_t) * m * (k / 16) + 64);
+    if (!q) return -1;
+    float *d = (float *)(((uintptr_t)(q + m * k) + 63) & ~(uintptr_t)63);
+    int32_t *bs = (int32_t *)(d + m * nblk);
+    q8_quantize(x, m, k, ldx, q, d, bs);
+    int rc = q8_matmul(q, d, bs, m, k, w, n, row_bytes, qtype, y, ldy, threads);
+    free(q);
+    return rc;
+}
+
+/* A read of `bytes` bytes at p, 64-byte line by line, nothing else (the floor a product's pass over its blocks
+ * cannot beat): returns a value folded from every byte so that the loads cannot be dropped. */
+long q8_read(const uint8_t *p, long bytes) {
+    __m256i acc = _mm256_setzero_si256();
+    long i = 0;
+    for (; i + 64 <= bytes; i += 64)
+        acc = _mm256_add_epi64(acc, _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(p + i)),
+                                                     _mm256_loadu_si256((const __m256i *)(p + i + 32))));
+    long s = _mm256_extract_epi64(acc, 0) + _mm256_extract_epi64(acc, 1) + _mm256_extract_epi64(acc, 2) +
+             _mm256_extract_epi64(acc, 3);
+    for (; i < bytes; i++) s += p[i];
+    return s;
+}
+
+#else /* ---------------- per-instruction-set part: Q8_ISA 512 or 256 ---------------- */
+#pragma GCC push_options
+#if Q8_ISA == 512
+#pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+#define SFX(f) f##_512
+#define LANES 16 /* weight rows per tile */
+#define GROUP 8  /* activation rows that go through a decoded chunk together (registers: 8 sums + 8 chains) */
+#define vi v16i
+#define vu v16u
+#define vf v16f
+#else
+#pragma GCC target("avx2,f16c")
+#define SFX(f) f##_256
+#define LANES 8
+#define GROUP 4 /* 16 ymm registers */
+#define vi v8i
+#define vu v8u
+#define vf v8f
+#endif
+#define INL static inline __attribute__((always_inline))
+/* every name below exists once per instruction set */
+#define scratch_t SFX(scratch_t)
+#define dot4 SFX(dot4)
+#define dot4w SFX(dot4w)
+#define dot2 SFX(dot2)
+#define f16lo SFX(f16lo)
+#define f16hi SFX(f16hi)
+#define tr16 SFX(tr16)
+#define tr4 SFX(tr4)
+#define gather SFX(gather)
+#define spread4 SFX(spread4)
+#define to_f SFX(to_f)
+#define dec_q4_k SFX(dec_q4_k)
+#define dec_q6_k SFX(dec_q6_k)
+#define q6_code SFX(q6_code)
+#define dec_q8_0 SFX(dec_q8_0)
+#define dec_q4_1 SFX(dec_q4_1)
+#define dec_q5_0 SFX(dec_q5_0)
+#define dot_q4_k SFX(dot_q4_k)
+#define dot_q6_k SFX(dot_q6_k)
+#define dot_b32 SFX(dot_b32)
+
+/* One tile's chunk, decoded: everything an activation row needs, one int32 or float lane per weight row. */
+typedef struct {
+    vi nib[32];   /* Q4_K, Q4_1, Q6_K: the packed nibble dwords, transposed (each dot unpacks them: stores are dear) */
+    vi qh[16];    /* Q6_K: the dwords of high bits, transposed */
+    vi codes[KG]; /* other formats: codes[g] lane r = the 4 unsigned codes of values 4g..4g+3 of row r */
+    vi sc[16];    /* sub-block scales (Q4_K: 8 of 32 values, Q6_K: 16 of 16) */
+    vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
+    vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
+} scratch_t;
+
+/* ---- the primitives that differ by instruction set ---- */
+#if Q8_ISA == 512
+/* acc += per lane the 4 unsigned code bytes times the 4 signed activation bytes at x (broadcast) */
+INL vi dot4(vi acc, vi codes, const int8_t *x) {
+    int32_t xw;
+    memcpy(&xw, x, 4);
+    return (vi)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)codes, _mm512_set1_epi32(xw));
+}
+/* the same for codes up to 255 (Q8_0's q + 128): vpdpbusd has no 16-bit step to saturate */
+INL vi dot4w(vi acc, vi codes, const int8_t *x) { return dot4(acc, codes, x); }
+/* acc += per lane the two int16 products of a's pair and the int16 pair at p (broadcast) */
+INL vi dot2(vi acc, vi a, const int32_t *p) {
+    return (vi)_mm512_dpwssd_epi32((__m512i)acc, (__m512i)a, _mm512_set1_epi32(*p));
+}
+
+/* the float16 in the low half of each lane, widened */
+INL vf f16lo(vi v) { return (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16((__m512i)v)); }
+
+/* out[w] lane r = dword w of the 32 bytes at rows[r] + a (w < 8) and at rows[r] + b (w >= 8): a 16 x 16
+ * transpose, two 4 x 4 stages within 128-bit lanes and two across them */
+INL void tr16(const uint8_t *const *rows, long a, long b, vi *out) {
+    __m512i r[16], t[16];
+    for (int i = 0; i < 16; i++)
+        r[i] = b == a + 32 ? _mm512_loadu_si512(rows[i] + a)
+                           : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rows[i] + a))),
+                                                _mm256_loadu_si256((const __m256i *)(rows[i] + b)), 1);
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) { /* r[4i + e] lane L: rows 4i..4i+3 of dword 4L + e */
+        r[4 * i + 0] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        __m512i c0 = _mm512_shuffle_i32x4(r[e], r[4 + e], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512i c1 = _mm512_shuffle_i32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
+        __m512i c2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
+        __m512i c3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
+        out[e] = (vi)_mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0));
+        out[4 + e] = (vi)_mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1));
+        out[8 + e] = (vi)_mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0));
+        out[12 + e] = (vi)_mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1));
+    }
+}
+
+/* out[w] lane r = dword w of the 16 bytes at rows[r] + a: row 4L + i into 128-bit lane L of input i, then a
+ * 4 x 4 transpose within the lanes */
+INL void tr4(const uint8_t *const *rows, long a, vi *out) {
+    __m512i z[4];
+    for (int i = 0; i < 4; i++) {
+        z[i] = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(rows[i] + a)));
+        for (int l = 1; l < 4; l++)
+            z[i] = _mm512_inserti32x4(z[i], _mm_loadu_si128((const __m128i *)(rows[4 * l + i] + a)), l);
+    }
+    __m512i t0 = _mm512_unpacklo_epi32(z[0], z[1]), t1 = _mm512_unpackhi_epi32(z[0], z[1]);
+    __m512i t2 = _mm512_unpacklo_epi32(z[2], z[3]), t3 = _mm512_unpackhi_epi32(z[2], z[3]);
+    out[0] = (vi)_mm512_unpacklo_epi64(t0, t2), out[1] = (vi)_mm512_unpackhi_epi64(t0, t2);
+    out[2] = (vi)_mm512_unpacklo_epi64(t1, t3), out[3] = (vi)_mm512_unpackhi_epi64(t1, t3);
+}
+
+/* lane r = the dword at rows[r] + a (offs[r] = rows[r] - rows[0]) */
+INL vi gather(const uint8_t *const *rows, vi offs, long a) {
+    return (vi)_mm512_i32gather_epi32((__m512i)offs, rows[0] + a, 1);
+}
+
+#else /* AVX2 */
+/* maddubs' 16-bit pair sums stay within 2 * 63 * 127 for codes below 64 */
+INL vi dot4(vi acc, vi codes, const int8_t *x) {
+    int32_t xw;
+    memcpy(&xw, x, 4);
+    __m256i p = _mm256_maddubs_epi16((__m256i)codes, _mm256_set1_epi32(xw));
+    return acc + (vi)_mm256_madd_epi16(p, _mm256_set1_epi16(1));
+}
+/* codes up to 255 would saturate a pair sum: bits 0-6 and bit 7 go through maddubs separately */
+INL vi dot4w(vi acc, vi codes, const int8_t *x) {
+    int32_t xw;
+    memcpy(&xw, x, 4);
+    __m256i xb = _mm256_set1_epi32(xw), b7 = _mm256_set1_epi8((char)0x80), one = _mm256_set1_epi16(1);
+    __m256i lo = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_andnot_si256(b7, (__m256i)codes), xb), one);
+    __m256i hi = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_and_si256(b7, (__m256i)codes), xb), one);
+    return acc + (vi)lo + (vi)hi;
+}
+INL vi dot2(vi acc, vi a, const int32_t *p) { return acc + (vi)_mm256_madd_epi16((__m256i)a, _mm256_set1_epi32(*p)); }
+
+INL vf f16lo(vi v) {
+    __m256i w = _mm256_permute4x64_epi64(_mm256_packus_epi32((__m256i)(v & 0xffff), _mm256_setzero_si256()), 0x08);
+    return (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(w));
+}
+
+/* 8 x 8 dword transpose: out[w] lane i = dword w of r[i] */
+INL void tr8x8(const __m256i *r, vi *out) {
+    __m256i t[8], u[8];
+    for (int i = 0; i < 4; i++) {
+        t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; i++) {
+        u[4 * i + 0] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        u[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int e = 0; e < 4; e++) {
+        out[e] = (vi)_mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
+        out[4 + e] = (vi)_mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+    }
+}
+
+INL void tr16(const uint8_t *const *rows, long a, long b, vi *out) {
+    __m256i r[8];
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + a));
+    tr8x8(r, out);
+    for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + b));
+    tr8x8(r, out + 8);
+}
+
+INL void tr4(const uint8_t *const *rows, long a, vi *out) {
+    __m256i z[4];
+    for (int i = 0; i < 4; i++)
+        z[i] = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(rows[i] + a))),
+                                       _mm_loadu_si128((const __m128i *)(rows[4 + i] + a)), 1);
+    __m256i t0 = _mm256_unpacklo_epi32(z[0], z[1]), t1 = _mm256_unpackhi_epi32(z[0], z[1]);
+    __m256i t2 = _mm256_unpacklo_epi32(z[2], z[3]), t3 = _mm256_unpackhi_epi32(z[2], z[3]);
+    out[0] = (vi)_mm256_unpacklo_epi64(t0, t2), out[1] = (vi)_mm256_unpackhi_epi64(t0, t2);
+    out[2] = (vi)_mm256_unpacklo_epi64(t1, t3), out[3] = (vi)_mm256_unpackhi_epi64(t1, t3);
+}
+
+INL vi gather(const uint8_t *const *rows, vi offs, long a) {
+    return (vi)_mm256_i32gather_epi32((const int *)(rows[0] + a), (__m256i)offs, 1);
+}
+#endif
+
+/* ---- decoding a tile's chunk into the scratch (the same text for both sets) ---- */
+
+#define NIB 0x0f0f0f0fu
+INL vf f16hi(vi v) { return f16lo((vi)((vu)v >> 16)); }
+
+/* Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128 bytes
+ * of nibbles (bytes 32c..32c+31: values 64c.. in the low nibbles, 64c+32.. in the high), so nib[8c + g] holds
+ * value group g of sub-block 2c in its low nibbles and of 2c + 1 in its high ones. */
+INL void dec_q4_k(const uint8_t *const *rows, long at, scratch_t *s) {
+    vi h[4];
+    tr4(rows, at, h);
+    s->d[0] = f16lo(h[0]), s->m[0] = f16hi(h[0]);
+    vu h1 = (vu)h[1], h2 = (vu)h[2], h3 = (vu)h[3];
+    vi mn[8];
+    for (int j = 0; j < 4; j++) {
+        s->sc[j] = (vi)((h1 >> (8 * j)) & 63);
+        mn[j] = (vi)((h2 >> (8 * j)) & 63);
+        s->sc[4 + j] = (vi)(((h3 >> (8 * j)) & 15) | ((h1 >> (8 * j + 2)) & 0x30));
+        mn[4 + j] = (vi)(((h3 >> (8 * j + 4)) & 15) | ((h2 >> (8 * j + 2)) & 0x30));
+    }
+    for (int i = 0; i < 4; i++) s->mn[i] = mn[2 * i] | (mn[2 * i + 1] << 16);
+    tr16(rows, at + 16, at + 48, s->nib);
+    tr16(rows, at + 80, at + 112, s->nib + 16);
+}
+
+/* Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], f16 d. Value 128h + 32s + l (h < 2, s < 4, l < 32):
+ * nibble s >> 1 of ql[64h + 32(s & 1) + l], high bits (qh[32h + l] >> 2s) & 3. Kept transposed as stored. */
+INL void dec_q6_k(const uint8_t *const *rows, vi offs, long at, scratch_t *s) {
+    vi h[4];
+    tr4(rows, at + 192, h);
+    for (int j = 0; j < 16; j++) s->sc[j] = (vi)((vu)h[j / 4] << (24 - 8 * (j % 4))) >> 24; /* int8 -> int32 */
+    s->d[0] = f16hi(gather(rows, offs, at + 206));
+    tr16(rows, at, at + 32, s->nib);
+    tr16(rows, at + 64, at + 96, s->nib + 16);
+    tr16(rows, at + 128, at + 160, s->qh);
+}
+
+/* Q6_K's codes of values 128h + 32s + 4g .. + 3 (g < 8): the ql nibble dwords nib[16h + 8(s & 1) + g], nibble
+ * s >> 1, and bits 2s, 2s + 1 of the high-bit dwords qh[8h + g] */
+INL vi q6_code(const scratch_t *s, int h, int g, const int sb) {
+    vu ql = (vu)s->nib[16 * h + 8 * (sb & 1) + g], qh = (vu)s->qh[8 * h + g];
+    vu lo = sb < 2 ? ql & NIB : (ql >> 4) & NIB, hb = qh & (0x03030303u << 2 * sb);
+    return (vi)(lo | (sb < 2 ? hb << (4 - 2 * sb) : hb >> (2 * sb - 4)));
+}
+
+/* Q8_0 (34 bytes): f16 d, int8 q[32]; codes q + 128. `nb` blocks of 32 from byte `at`. */
+INL void dec_q8_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_t *s) {
+    vi t[16];
+    for (int b = 0; b < nb; b += 2) {
+        int b1 = b + 1 < nb ? b + 1 : b;
+        tr16(rows, at + 34 * b + 2, at + 34 * b1 + 2, t);
+        for (int g = 0; g < 16; g++) s->codes[8 * b + g] = (vi)((vu)t[g] ^ 0x80808080u);
+    }
+    for (int b = 0; b < nb; b++) s->d[b] = f16lo(gather(rows, offs, at + 34 * b));
+}
+
+/* Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles (values 0-15 low, 16-31 high). */
+INL void dec_q4_1(const uint8_t *const *rows, vi offs, long at, int nb, scratch_t *s) {
+    for (int b = 0; b < nb; b++) {
+        vi h = gather(rows, offs, at + 20 * b);
+        s->d[b] = f16lo(h), s->m[b] = f16hi(h);
+        tr4(rows, at + 20 * b + 4, s->nib + 4 * b); /* value group w low, 4 + w high */
+    }
+}
+
+/* bit i of x (i < 4) to bit 4 of byte i: the four shifted copies of x that the multiply adds never overlap */
+INL vu spread4(vu x) { return ((x & 15) * 0x02040810u) & 0x10101010u; }
+
+/* Q5_0 (22 bytes): f16 d, uint32 qh (bit j: value j's fifth bit), 16 bytes of nibbles; codes q + 16. */
+INL void dec_q5_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_t *s) {
+    for (int b = 0; b < nb; b++) {
+        vi t[4];
+        s->d[b] = f16lo(gather(rows, offs, at + 22 * b));
+        vu qh = (vu)gather(rows, offs, at + 22 * b + 2);
+        tr4(rows, at + 22 * b + 6, t);
+        for (int w = 0; w < 4; w++) {
+            s->codes[8 * b + w] = (vi)(((vu)t[w] & NIB) | spread4(qh >> (4 * w)));
+            s->codes[8 * b + 4 + w] = (vi)((((vu)t[w] >> 4) & NIB) | spread4(qh >> (16 + 4 * w)));
+        }
+    }
+}
+
+/* ---- the dot kernels: G activation rows against a decoded chunk (G a constant after inlining) ----
+ * Each activation row has its own accumulators and runs the same sequence whatever G is; G only interleaves
+ * rows so that the multiply-adds of several rows share each code load. A few rows take several sub-blocks
+ * at once so that at least 8 independent dpbusd chains are in flight. */
+
+#define UNROLL _Pragma("GCC unroll 16")
+#define NO_UNROLL _Pragma("GCC unroll 1")
+INL vf to_f(vi v) { return __builtin_convertvector(v, vf); }
+
+/* Q4_K: t = (dx * d) * f(sum_j sc_j sum q.qx) - (dx * dmin) * f(sum_j m_j (bsum pair j)). Sub-blocks go two at
+ * a time (the low and high nibbles of the same dwords), SP pairs in flight. */
+INL void dot_q4_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int G) {
+    const int SP = G == 1 ? 4 : G == 2 ? 2 : 1;
+    const int8_t *xq[GROUP];
+    vi isum[GROUP];
+    UNROLL for (int r = 0; r < G; r++) xq[r] = x[r].q + QA * c, isum[r] = (vi){0};
+    NO_UNROLL for (int p0 = 0; p0 < 4; p0 += SP) {
+        vi acc[GROUP][8];
+        UNROLL for (int r = 0; r < G; r++) UNROLL for (int j = 0; j < 2 * SP; j++) acc[r][j] = (vi){0};
+        UNROLL for (int g = 0; g < 8; g++) UNROLL for (int p = 0; p < SP; p++) {
+            vu raw = (vu)s->nib[8 * (p0 + p) + g];
+            vi lo = (vi)(raw & NIB), hi = (vi)((raw >> 4) & NIB);
+            UNROLL for (int r = 0; r < G; r++) {
+                const int8_t *xp = xq[r] + 64 * (p0 + p) + 4 * g;
+                acc[r][2 * p] = dot4(acc[r][2 * p], lo, xp);
+                acc[r][2 * p + 1] = dot4(acc[r][2 * p + 1], hi, xp + 32);
+            }
+        }
+        UNROLL for (int r = 0; r < G; r++) UNROLL for (int j = 0; j < 2 * SP; j++)
+            isum[r] += acc[r][j] * s->sc[2 * p0 + j];
+    }
+    UNROLL for (int r = 0; r < G; r++) {
+        vi msum = {0};
+        UNROLL for (int i = 0; i < 4; i++) msum = dot2(msum, s->mn[i], x[r].aux + 4 * c + i);
+        float dx = x[r].d[c];
+        y[r] = y[r] + ((dx * s->d[0]) * to_f(isum[r]) - (dx * s->m[0]) * to_f(msum));
+    }
+}
+
+/* Q6_K: t = (dx * d) * f(sum_j sc_j sum (q - 32).qx), each sub-block of 16 starting from -32 * its bsum. A unit
+ * u = 2h + half is the 4 sub-blocks 8h + 2s + half (s < 4) whose codes share the stored dwords of value groups
+ * g = 4 half .. 4 half + 3; SU units are in flight, SS of their sub-blocks at a time (registers). */
+INL void dot_q6_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int G) {
+    const int SU = G == 1 ? 2 : 1, SS = G <= 4 ? 4 : 2;
+    const int8_t *xq[GROUP];
+    vi isum[GROUP];
+    UNROLL for (int r = 0; r < G; r++) xq[r] = x[r].q + QA * c, isum[r] = (vi){0};
+    UNROLL for (int s0 = 0; s0 < 4; s0 += SS) NO_UNROLL for (int u0 = 0; u0 < 4; u0 += SU) {
+        vi acc[GROUP][8];
+        int sb[8]; /* the sub-block of each chain */
+        UNROLL for (int uu = 0; uu < SU; uu++) UNROLL for (int ss = 0; ss < SS; ss++)
+            sb[SS * uu + ss] = 8 * ((u0 + uu) / 2) + 2 * (s0 + ss) + (u0 + uu) % 2;
+        UNROLL for (int r = 0; r < G; r++) UNROLL for (int i = 0; i < SU * SS; i++)
+            acc[r][i] = (vi){0} + x[r].aux[16 * c + sb[i]];
+        UNROLL for (int gg = 0; gg < 4; gg++) UNROLL for (int uu = 0; uu < SU; uu++) UNROLL for (int ss = 0; ss < SS; ss++) {
+            const int h = (u0 + uu) / 2, g = 4 * ((u0 + uu) % 2) + gg;
+            vi code = q6_code(s, h, g, s0 + ss);
+            UNROLL for (int r = 0; r < G; r++)
+                acc[r][SS * uu + ss] = dot4(acc[r][SS * uu + ss], code, xq[r] + 128 * h + 32 * (s0 + ss) + 4 * g);
+        }
+        UNROLL for (int r = 0; r < G; r++) UNROLL for (int i = 0; i < SU * SS; i++) isum[r] += acc[r][i] * s->sc[sb[i]];
+    }
+    UNROLL for (int r = 0; r < G; r++) {
+        float dx = x[r].d[c];
+        y[r] = y[r] + (dx * s->d[0]) * to_f(isum[r]);
+    }
+}
+
+/* The 32-block formats, nb blocks of the chunk: Q8_0 and Q5_0 t = (dx * d) * f(sum (q - offset).qx), each
+ * block's sum starting from -offset * its 32-sum; Q4_1 t = (dx * d) * f(sum q.qx) + (dx * m) * f(sum qx). The
+ * blocks' terms join y one at a time in block order. */
+INL void dot_b32(int qtype, const scratch_t *s, const xrow_t *x, long c, int nb, vf *y, const int G) {
+    const int SB = G == 1 ? 8 : G == 2 ? 4 : G <= 4 ? 2 : 1;
+    const int8_t *xq[GROUP];
+    UNROLL for (int r = 0; r < G; r++) xq[r] = x[r].q + QA * c;
+    NO_UNROLL for (int b0 = 0; b0 < nb; b0 += SB) {
+        int n = nb - b0 < SB ? nb - b0 : SB;
+        vi acc[GROUP][8];
+        UNROLL for (int r = 0; r < G; r++) UNROLL for (int b = 0; b < SB; b++)
+            acc[r][b] = (vi){0} + (qtype == T_Q4_1 || b >= n ? 0 : x[r].aux[8 * c + b0 + b]);
+        UNROLL for (int g = 0; g < 8; g++) UNROLL for (int b = 0; b < SB; b++) {
+            /* past the chunk's blocks: stale codes, never used */
+            vi code = qtype != T_Q4_1 ? s->codes[8 * (b0 + b) + g]
+                    : (vi)(((vu)s->nib[4 * (b0 + b) + g % 4] >> (g / 4 * 4)) & NIB);
+            UNROLL for (int r = 0; r < G; r++) {
+                const int8_t *p = xq[r] + 32 * (b0 + b) + 4 * g;
+                acc[r][b] = qtype == T_Q8_0 ? dot4w(acc[r][b], code, p) : dot4(acc[r][b], code, p);
+            }
+        }
+        UNROLL for (int b = 0; b < SB; b++) {
+            if (b >= n) break;
+            UNROLL for (int r = 0; r < G; r++) {
+                float dx = x[r].d[c];
+                vf t = (dx * s->d[b0 + b]) * to_f(acc[r][b]);
+                if (qtype == T_Q4_1) {
+                    float xs;
+                    memcpy(&xs, x[r].aux + 8 * c + b0 + b, 4);
+                    t = t + (dx * s->m[b0 + b]) * xs;
+                }
+                y[r] = y[r] + t;
+            }
+        }
+    }
+}
+
+/* ---- a tile's chunk: decode once, then every activation row, GROUP at a time ---- */
+
+#if GROUP == 8
+#define WIDE_CASES(CALL) case 4: CALL(4); break; case 5: CALL(5); break; case 6: CALL(6); break; case 7: CALL(7); break;
+#else
+#define WIDE_CASES(CALL)
+#endif
+#define EACH_GROUP(CALL)                                                                                       \
+    for (long r0 = 0; r0 < j->m; r0 += GROUP) {                                                                \
+        const xrow_t *x = j->x + r0;                                                                           \
+        vf *yy = y + r0;                                                                                       \
+        switch (j->m - r0 < GROUP ? j->m - r0 : GROUP) {                                                       \
+        case 1: CALL(1); break;                                                                                \
+        case 2: CALL(2); break;                                                                                \
+        case 3: CALL(3); break;                                                                                \
+        WIDE_CASES(CALL)                                                                                       \
+        default: CALL(GROUP); break;                                                                           \
+        }                                                                                                      \
+    }
+
+typedef void (*SFX(chunk_fn))(const job_t *, const uint8_t *const *, const vi *, long, scratch_t *, vf *, pf_t *);
+
+/* A chunk of each format: its prefetch step, its decoding, every activation row's dot. */
+static void SFX(chunk_q4_k)(const job_t *j, const uint8_t *const *rows, const vi *offs, long c, scratch_t *s, vf *y,
+                            pf_t *pf) {
+    (void)offs;
+    pf_step(pf, j, LANES, BYTES_Q4_K);
+    dec_q4_k(rows, c * j->chunk_bytes, s);
+#define CALL(G) dot_q4_k(s, x, c, yy, G)
+    EACH_GROUP(CALL)
+#undef CALL
+}
+
+static void SFX(chunk_q6_k)(const job_t *j, const uint8_t *const *rows, const vi *offs, long c, scratch_t *s, vf *y,
+                            pf_t *pf) {
+    pf_step(pf, j, LANES, BYTES_Q6_K);
+    dec_q6_k(rows, *offs, c * j->chunk_bytes, s);
+#define CALL(G) dot_q6_k(s, x, c, yy, G)
+    EACH_GROUP(CALL)
+#undef CALL
+}
+
+#define CHUNK_B32(stem, N)                                                                                     \
+    static void SFX(chunk_##stem)(const job_t *j, const uint8_t *const *rows, const vi *offs, long c,          \
+                                  scratch_t *s, vf *y, pf_t *pf) {                                             \
+        const int qt = T_##N, nb = (int)((j->k - QA * c < QA ? j->k - QA * c : QA) / 32);                      \
+        pf_step(pf, j, LANES, 8 * BYTES_##N);                                                                  \
+        dec_##stem(rows, *offs, c * j->chunk_bytes, nb, s);                                                    \
+        EACH_GROUP(CALL_B32)                                                                                   \
+    }
+#define CALL_B32(G) dot_b32(qt, s, x, c, nb, yy, G)
+CHUNK_B32(q8_0, Q8_0)
+CHUNK_B32(q5_0, Q5_0)
+CHUNK_B32(q4_1, Q4_1)
+#undef CALL_B32
+#undef CHUNK_B32
+
+/* Every tile of the job: its LANES rows (past the last weight row, the last again: computed, never stored),
+ * the chunks along K in order (so each output's block terms join in block order), the prefetch stream running
+ * PREFETCH_AHEAD chunks ahead. */
+static void SFX(run_tiles)(const job_t *j) {
+    SFX(chunk_fn) fn = j->qtype == T_Q4_K ? SFX(chunk_q4_k) : j->qtype == T_Q6_K ? SFX(chunk_q6_k)
+                     : j->qtype == T_Q8_0 ? SFX(chunk_q8_0) : j->qtype == T_Q5_0 ? SFX(chunk_q5_0)
+                     : SFX(chunk_q4_1);
+    scratch_t s;
+    vf y[PASS];
+    pf_t pf;
+    pf_tile(&pf, j, j->tile_lo, LANES);
+    for (int i = 0; i < PREFETCH_AHEAD; i++) pf_step(&pf, j, LANES, j->chunk_bytes);
+    for (long t = j->tile_lo; t < j->tile_hi; t++) {
+        const uint8_t *rows[LANES];
+        vi offs;
+        for (int r = 0; r < LANES; r++) {
+            long row = t * LANES + r < j->n ? t * LANES + r : j->n - 1;
+            rows[r] = j->w + row * j->row_bytes;
+            offs[r] = (int32_t)((row - t * LANES) * j->row_bytes);
+        }
+        for (long i = 0; i < j->m; i++) y[i] = (vf){0};
+        for (long c = 0; c < j->chunks; c++) {
+            fn(j, rows, &offs, c, &s, y, &pf);
+        }
+        for (long i = 0; i < j->m; i++)
+            for (int r = 0; r < LANES && t * LANES + r < j->n; r++) j->y[i * j->ldy + t * LANES + r] = y[i][r];
+    }
+}
+
+#undef INL
+#undef SFX
+#undef LANES
+#undef GROUP
+#undef vi
+#undef vu
+#undef vf
+#undef UNROLL
+#undef NO_UNROLL
+#undef NIB
+#undef WIDE_CASES
+#undef EACH_GROUP
+#undef scratch_t
+#undef dot4
+#undef dot4w
+#undef dot2
+#undef f16lo
+#undef f16hi
+#undef tr16
+#undef tr4
+#undef gather
+#undef spread4
+#undef to_f
+#undef dec_q4_k
+#undef dec_q6_k
+#undef q6_code
+#undef dec_q8_0
+#undef dec_q4_1
+#undef dec_q5_0
+#undef dot_q4_k
+#undef dot_q6_k
+#undef dot_b32
+#pragma GCC pop_options
+#endif

@@ -1,0 +1,152 @@
+"""The q8 product on GGUF blocks: build, load and call q8_blocks.c (AVX-512 VNNI, or AVX2 elsewhere).
+
+Why: q8 numerics (kernels/reference/q8_ref.py, llama.cpp's arithmetic) quantise activations to 8 bits per 256
+values and multiply them by the blocks' integer codes, so a product is exact integer work plus one float
+combination per weight block; the C kernel gives the oracle's bits for any number of rows, any grouping and
+any thread count, reading the caller's blocks in place (a read-only memmap stays shared, never copied).
+A caller with one input for several matrices (q/k/v, gate/up) quantises it once (`quantize`) and multiplies
+it by each (`Q8Matrix.product`); `Q8Matrix(x)` does both in one foreign call.
+Built once per source version with the system C compiler into the SpecPilot cache, like gguf_blocks.py.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from specpilot.kernels.build import compiled, loads
+from specpilot.kernels.cpu.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
+from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, row_bytes
+from specpilot.kernels.reference.q8_ref import QA, Q8Activations, check_q8_type
+
+SOURCE = Path(__file__).with_name("q8_blocks.c")
+FLAGS = ("-O3", "-mavx2", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
+
+__all__ = ["Q8Matrix", "UnsupportedBlockType", "available", "block_traits", "isa", "library", "quantize", "read"]
+
+
+@functools.lru_cache(maxsize=1)
+def library() -> ctypes.CDLL:
+    """The compiled kernel, building it on first use; SkinnyUnavailable says why it cannot run here."""
+    if not cpu_supports_avx2_fma():
+        raise SkinnyUnavailable("this CPU has no AVX2+FMA")
+    lib = compiled("q8_blocks", (SOURCE,), FLAGS)
+    ptr, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
+    lib.q8_quantize.argtypes = [ptr, n, n, n, ptr, ptr, ptr]
+    lib.q8_quantize.restype = None
+    lib.q8_matmul.argtypes = [ptr, ptr, ptr, n, n, ptr, n, n, i, ptr, n, i]
+    lib.q8_matmul.restype = i
+    lib.q8_linear.argtypes = [ptr, n, n, n, ptr, n, n, i, ptr, n, i]
+    lib.q8_linear.restype = i
+    lib.q8_read.argtypes = [ptr, n]
+    lib.q8_read.restype = n
+    lib.q8_isa.argtypes = [i]
+    lib.q8_isa.restype = i
+    lib.q8_traits.argtypes = [i, ctypes.POINTER(n), ctypes.POINTER(n), ctypes.POINTER(ctypes.c_char_p)]
+    lib.q8_traits.restype = i
+    return lib
+
+
+def available() -> bool:
+    """Whether the kernel builds and loads here."""
+    return loads(library)
+
+
+def block_traits(qtype: int) -> tuple[str, int, int] | None:
+    """(name, values per block, bytes per block) of `qtype` as the C kernel's table has it, or None where the
+    kernel does not multiply that type (tests hold it against q8_ref.Q8_TYPES and gguf_ref.FORMATS)."""
+    block, size, name = ctypes.c_long(), ctypes.c_long(), ctypes.c_char_p()
+    if library().q8_traits(qtype, ctypes.byref(block), ctypes.byref(size), ctypes.byref(name)):
+        return None
+    return name.value.decode(), block.value, size.value
+
+
+def isa(want: str | None = None) -> str:
+    """The product's instruction set, "avx512vnni" (where the CPU has AVX-512 VNNI) or "avx2"; `want` selects
+    one for the process. Both give the same bits."""
+    code = {None: -1, "avx2": 0, "avx512vnni": 1}[want]
+    return "avx512vnni" if library().q8_isa(code) else "avx2"
+
+
+def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} features; q8 activations of this product take {k}")
+    if k % 32:
+        raise ValueError(f"q8 activations need K a multiple of 32, not {k}")
+    return x.reshape(-1, k).to(torch.float32).contiguous()
+
+
+def quantize(x: torch.Tensor) -> Q8Activations:
+    """x [M, K] (K a multiple of 32) -> its q8 activations, q8_ref.quantize's bits."""
+    rows = _rows(x, x.shape[-1])
+    m, k = rows.shape
+    q = torch.empty(m, k, dtype=torch.int8)
+    d = torch.empty(m, (k + QA - 1) // QA, dtype=torch.float32)
+    bsums = torch.empty(m, k // 16, dtype=torch.int32)
+    library().q8_quantize(rows.data_ptr(), m, k, k, q.data_ptr(), d.data_ptr(), bsums.data_ptr())
+    return Q8Activations(q, d, bsums)
+
+
+def read(raw: torch.Tensor) -> int:
+    """Read every byte of `raw` once (a contiguous uint8 tensor) and nothing else: the floor of a pass."""
+    return library().q8_read(raw.data_ptr(), raw.numel())
+
+
+class Q8Matrix:
+    """A weight W [N, K] kept in its GGUF blocks (the caller's buffer, not copied), multiplied in q8 numerics:
+    calling it on x [..., K] gives float32 [..., N], q8_ref.matmul's bits."""
+
+    def __init__(self, raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int,
+                 threads: int | None = None) -> None:
+        self.qtype = check_q8_type(qtype)
+        self.name = FORMATS[self.qtype][0]
+        self.n, self.k = int(n), int(k)
+        if self.k % 32:
+            raise ValueError(f"q8 needs K a multiple of 32, not {self.k}")
+        self.row_bytes = row_bytes(self.qtype, self.k)
+        self.raw = as_raw(raw, self.qtype, self.n, self.k)
+        self.threads = threads
+        self.lib = library()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of stored blocks one full product reads."""
+        return self.n * self.row_bytes
+
+    def _threads(self, threads: int | None) -> int:
+        return max(1, threads or self.threads or torch.get_num_threads())
+
+    def quantize(self, x: torch.Tensor) -> Q8Activations:
+        """x [..., K] -> q8 activations [M, K] for `product` (and any other matrix with this K)."""
+        return quantize(_rows(x, self.k))
+
+    def product(self, xq: Q8Activations, threads: int | None = None) -> torch.Tensor:
+        """The q8 product of quantised activations (`quantize`) and W: float32 [M, N]."""
+        if xq.k != self.k:
+            raise ValueError(f"activations have {xq.k} features; the {self.name} weight [{self.n}, {self.k}] takes "
+                             f"{self.k}")
+        q, d, bs = xq.q.contiguous(), xq.d.contiguous(), xq.bsums.contiguous()
+        m = q.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        rc = self.lib.q8_matmul(q.data_ptr(), d.data_ptr(), bs.data_ptr(), m, self.k, self.raw.data_ptr(), self.n,
+                                self.row_bytes, self.qtype, out.data_ptr(), self.n, self._threads(threads))
+        if rc:
+            raise RuntimeError(f"q8_matmul rejected {self.name} [{self.n}, {self.k}] with {m} rows")
+        return out
+
+    def __call__(self, x: torch.Tensor, threads: int | None = None) -> torch.Tensor:
+        """x [..., K] (any float dtype) -> float32 [..., N]: quantise, then multiply, in one foreign call.
+        `threads` overrides the matrix's (default torch.get_num_threads()); the bits do not depend on it."""
+        lead = x.shape[:-1]
+        rows = _rows(x, self.k)
+        m = rows.shape[0]
+        out = torch.empty(m, self.n, dtype=torch.float32)
+        rc = self.lib.q8_linear(rows.data_ptr(), m, self.k, self.k, self.raw.data_ptr(), self.n, self.row_bytes,
+                                self.qtype, out.data_ptr(), self.n, self._threads(threads))
+        if rc:
+            raise RuntimeError(f"q8_linear rejected {self.name} [{self.n}, {self.k}] with {m} rows")
+        return out.view(*lead, self.n)

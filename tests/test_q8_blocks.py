@@ -1,0 +1,185 @@
+"""The q8 product kernel (kernels/cpu/q8_blocks.c) against its oracle (kernels/reference/q8_ref.py): the same bits
+for every block type, K, row count, grouping, thread count and instruction set; the activation quantisation's
+q, d and bsums; refusals of types q8 does not multiply."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from specpilot.kernels.reference import q8_ref
+from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, qtype_id, random_blocks
+
+TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_1"]
+# moderate f16 scales (d, dmin, m), cycled over the blocks: positive, negative, small, zero
+SCALES = np.array([0.011, -0.02, 0.0034, 0.5, -0.25, 0.0], dtype=np.float16)
+ISAS = ["avx2", "avx512vnni"]
+
+
+def kernel():
+    from specpilot.kernels.cpu import q8_blocks
+
+    if not q8_blocks.available():
+        pytest.skip("the q8 kernel cannot build or run here")
+    return q8_blocks
+
+
+@pytest.fixture(params=ISAS)
+def isa(request: pytest.FixtureRequest):
+    """Each of the kernel's two paths in turn (AVX-512 VNNI only where the CPU has it), restoring the default."""
+    qb = kernel()
+    before = qb.isa()
+    if qb.isa(request.param) != request.param:
+        qb.isa(before)
+        pytest.skip(f"this CPU has no {request.param}")
+    yield request.param
+    qb.isa(before)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """float32 as int32: equal bits, so -0.0 differs from 0.0."""
+    return t.contiguous().view(torch.int32)
+
+
+def k_for(q: str) -> int:
+    """A K with a short last activation block where the format allows one (32-blocks: 576 = 2 * 256 + 64)."""
+    return 512 if FORMATS[qtype_id(q)][1] == 256 else 576
+
+
+def activations(m: int, k: int, seed: int = 0) -> torch.Tensor:
+    """m rows of x [m, k] whose first rows are the quantiser's edge cases, then random rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g) * torch.logspace(-3, 2, m)[:, None]
+    edges = []
+    zero = torch.zeros(k)  # every activation block zero: d = 0, q = 0
+    edges.append(zero)
+    neg = torch.randn(k, generator=g)  # the largest magnitude is negative in every block
+    neg[::256] = -10.0
+    edges.append(neg)
+    tie = torch.randn(k, generator=g)  # |max| ties, the negative one first: it sets the sign of iscale
+    tie[1::256], tie[5::256] = -7.0, 7.0
+    edges.append(tie)
+    half = torch.arange(k, dtype=torch.float32) % 61 - 30 + 0.25  # max -63.5: iscale = 2, iscale * x = j + .5
+    half[0::256] = -63.5
+    edges.append(half)
+    part = torch.randn(k, generator=g)  # one all-zero block in the middle of a row
+    part[256:512] = 0.0
+    edges.append(part)
+    for i, e in enumerate(edges[:m]):
+        x[i] = e
+    return x
+
+
+def test_quantize_equals_the_reference() -> None:
+    qb = kernel()
+    for k in (32, 96, 256, 576, 1536):
+        x = activations(9, k, seed=k)
+        got, ref = qb.quantize(x), q8_ref.quantize(x)
+        assert torch.equal(got.q, ref.q) and torch.equal(bits(got.d), bits(ref.d)) and torch.equal(got.bsums,
+                                                                                                       ref.bsums)
+        assert got.d.shape == (9, (k + 255) // 256) and got.bsums.shape == (9, k // 16)
+    assert bool((qb.quantize(activations(5, 576)).d[0] == 0).all())  # the zero row
+    with pytest.raises(ValueError, match="multiple of 32"):
+        qb.quantize(torch.randn(2, 40))
+
+
+@pytest.mark.parametrize("q", TYPES)
+def test_product_equals_the_oracle_for_every_row_count(q: str, isa: str) -> None:
+    """Rows 1..33 (one pass, a short group, two passes and a remainder row), 37 weight rows (a short last
+    tile): each call's rows equal the oracle's rows bit for bit, and each row equals its own 1-row call."""
+    qb = kernel()
+    n, k = 37, k_for(q)
+    raw = random_blocks(q, n, k, np.random.default_rng(1), SCALES)
+    x = activations(33, k)
+    ref = q8_ref.matmul(x, raw, q, n, k)
+    m = qb.Q8Matrix(raw, q, n, k)
+    for rows in range(1, 34):
+        y = m(x[:rows])
+        assert y.shape == (rows, n) and y.dtype == torch.float32
+        assert torch.equal(bits(y), bits(ref[:rows])), f"{q}: {rows} rows"
+    for i in (0, 3, 16, 32):
+        assert torch.equal(bits(m(x[i:i + 1])[0]), bits(ref[i]))
+
+
+@pytest.mark.parametrize("q", TYPES)
+def test_short_k_and_normal_scales(q: str, isa: str) -> None:
+    """The smallest K of each format (one block; 96 = three 32-blocks) and scales from a normal law."""
+    qb = kernel()
+    for k in ((256,) if FORMATS[qtype_id(q)][1] == 256 else (32, 96)):
+        raw = random_blocks(q, 17, k, np.random.default_rng(k))
+        x = activations(6, k, seed=k)
+        assert torch.equal(bits(qb.Q8Matrix(raw, q, 17, k)(x)), bits(q8_ref.matmul(x, raw, q, 17, k)))
+
+
+@pytest.mark.parametrize("q", TYPES)
+def test_threads_and_instruction_sets_do_not_change_a_bit(q: str) -> None:
+    """A matrix big enough for two threads: 1 and 2 threads, and the AVX2 and AVX-512 VNNI paths, all give the
+    oracle's bits (17 rows: a full pass and a second one)."""
+    qb = kernel()
+    n, k = 301, 2048 if FORMATS[qtype_id(q)][1] == 256 else 2080
+    raw = random_blocks(q, n, k, np.random.default_rng(2), SCALES)
+    x = activations(17, k, seed=2)
+    ref = bits(q8_ref.matmul(x, raw, q, n, k))
+    m = qb.Q8Matrix(raw, q, n, k)
+    before = qb.isa()
+    try:
+        for path in ISAS:
+            if qb.isa(path) != path:
+                continue
+            for t in (1, 2):
+                assert torch.equal(bits(m(x, threads=t)), ref), f"{q} {path} {t} threads"
+    finally:
+        qb.isa(before)
+
+
+def test_quantise_once_multiply_by_several_matrices() -> None:
+    """q, k and v share an input: one quantize, three products, each the oracle's bits; batched leading dims."""
+    qb = kernel()
+    k = 512
+    mats = [(q, n, random_blocks(q, n, k, np.random.default_rng(i), SCALES))
+            for i, (q, n) in enumerate([("Q4_K", 48), ("Q4_K", 16), ("Q6_K", 16)])]
+    x = activations(5, k)
+    xq = qb.quantize(x)
+    for q, n, raw in mats:
+        m = qb.Q8Matrix(raw, q, n, k)
+        ref = bits(q8_ref.matmul(x, raw, q, n, k))
+        assert torch.equal(bits(m.product(xq)), ref)
+        assert torch.equal(bits(m.product(m.quantize(x))), ref)
+        assert torch.equal(bits(m(x.view(5, 1, k)).view(5, n)), ref)
+    with pytest.raises(ValueError, match="features"):
+        qb.Q8Matrix(mats[0][2], "Q4_K", 48, k).product(qb.quantize(torch.randn(2, 256)))
+
+
+def test_read_only_memmap_is_used_in_place(tmp_path) -> None:
+    qb = kernel()
+    raw = random_blocks("Q6_K", 9, 512, np.random.default_rng(7), SCALES)
+    path = tmp_path / "w.bin"
+    raw.tofile(path)
+    mm = np.memmap(path, dtype=np.uint8, mode="r", shape=raw.shape)  # a write would fault
+    m = qb.Q8Matrix(mm, "Q6_K", 9, 512)
+    assert m.raw.data_ptr() == mm.ctypes.data and m.nbytes == raw.size == 9 * 2 * 210
+    x = activations(3, 512)
+    assert torch.equal(bits(m(x)), bits(q8_ref.matmul(x, raw, "Q6_K", 9, 512)))
+
+
+def test_unsupported_types_are_refused_by_name() -> None:
+    qb = kernel()
+    for q, nbytes in (("F16", 2 * 32), ("F32", 4 * 32), (1, 2 * 32)):
+        with pytest.raises(UnsupportedBlockType, match="F16|F32") as e:
+            qb.Q8Matrix(np.zeros((1, nbytes), np.uint8), q, 1, 32)
+        assert "q8" in str(e.value) and "\n" not in str(e.value)
+    with pytest.raises(UnsupportedBlockType):
+        qb.Q8Matrix(np.zeros((1, 18), np.uint8), 2, 1, 32)  # Q4_0: no block table entry at all
+    with pytest.raises(ValueError, match="features"):
+        qb.Q8Matrix(random_blocks("Q8_0", 2, 64, np.random.default_rng(0)), "Q8_0", 2, 64)(torch.randn(1, 32))
+
+
+def test_the_c_traits_table_covers_the_oracle_s_types() -> None:
+    qb = kernel()
+    for t in range(20):
+        got = qb.block_traits(t)
+        if t in q8_ref.Q8_TYPES:
+            assert got == FORMATS[t], t
+        else:
+            assert got is None, t
