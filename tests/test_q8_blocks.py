@@ -4,6 +4,9 @@ q, d and bsums; refusals of types q8 does not multiply."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -151,6 +154,67 @@ def test_quantise_once_multiply_by_several_matrices() -> None:
         qb.Q8Matrix(mats[0][2], "Q4_K", 48, k).product(qb.quantize(torch.randn(2, 256)))
 
 
+def mapping(address: int) -> tuple[str, str]:
+    """(permissions, file) of the process's mapping that holds `address` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        lo, hi = (int(a, 16) for a in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[1], fields[5] if len(fields) > 5 else ""
+    return "", ""
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private SpecPilot cache for repacked copies (the kernel, built already, stays loaded)."""
+    kernel().library()
+    monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path / "cache"))
+    return tmp_path / "cache"
+
+
+@pytest.mark.parametrize("q", ["Q4_K", "Q6_K"])
+def test_repacked_blocks_give_the_same_bits(q: str, isa: str) -> None:
+    """A private repacked copy (two tiles of 16 rows, then 5 rows read as stored): every row count, 2 threads."""
+    qb = kernel()
+    n, k = 37, 768
+    raw = random_blocks(q, n, k, np.random.default_rng(3), SCALES)
+    x = activations(33, k, seed=3)
+    ref = bits(q8_ref.matmul(x, raw, q, n, k))
+    m = qb.Q8Matrix(raw, q, n, k, repack=True)
+    assert m.packed is not None and qb.Q8Matrix(raw, q, n, k).packed is None
+    assert m.nbytes == m.packed.numel() + 5 * m.row_bytes
+    for rows in range(1, 34):
+        assert torch.equal(bits(m(x[:rows])), ref[:rows]), f"{q}: {rows} rows"
+    assert torch.equal(bits(m(x[:17], threads=2)), ref[:17])
+
+
+def test_a_file_s_blocks_are_repacked_once_into_the_cache(tmp_path: Path, cache: Path) -> None:
+    """Blocks that are a view of a file's memmap (as gguf-py's tensors are, at an offset) go through a repacked
+    copy written once into the cache and mapped read-only; a changed file gets its own copy."""
+    qb = kernel()
+    n, k = 32, 512
+    raw = random_blocks("Q4_K", n, k, np.random.default_rng(4), SCALES)
+    path = tmp_path / "model.bin"
+    head = np.arange(96, dtype=np.uint8)
+    np.concatenate([head, raw.reshape(-1)]).tofile(path)
+    view = np.memmap(path, dtype=np.uint8, mode="r")[96:].reshape(n, -1)
+    x = activations(5, k)
+    ref = bits(q8_ref.matmul(x, raw, "Q4_K", n, k))
+    m = qb.Q8Matrix(view, "Q4_K", n, k)
+    copies = list((cache / "q8").iterdir())
+    assert len(copies) == 1 and m.packed is not None and mapping(m.packed.data_ptr()) == ("r--s", str(copies[0]))
+    assert torch.equal(bits(m(x)), ref)
+    stamp = copies[0].stat().st_mtime_ns
+    assert torch.equal(bits(qb.Q8Matrix(view, "Q4_K", n, k)(x)), ref)
+    assert copies[0].stat().st_mtime_ns == stamp  # read again, not rewritten
+    raw2 = random_blocks("Q4_K", n, k, np.random.default_rng(5), SCALES)
+    np.concatenate([head, raw2.reshape(-1)]).tofile(path)
+    view2 = np.memmap(path, dtype=np.uint8, mode="r")[96:].reshape(n, -1)
+    assert torch.equal(bits(qb.Q8Matrix(view2, "Q4_K", n, k)(x)), bits(q8_ref.matmul(x, raw2, "Q4_K", n, k)))
+    assert len(list((cache / "q8").iterdir())) == 2
+    assert qb.Q8Matrix(view, "Q4_K", n, k, repack=False).packed is None
+
+
 def test_read_only_memmap_is_used_in_place(tmp_path) -> None:
     qb = kernel()
     raw = random_blocks("Q6_K", 9, 512, np.random.default_rng(7), SCALES)
@@ -183,3 +247,45 @@ def test_the_c_traits_table_covers_the_oracle_s_types() -> None:
             assert got == FORMATS[t], t
         else:
             assert got is None, t
+
+
+def write_gguf(path: Path, tensors: dict[str, tuple[str, int, int]]) -> None:
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(path), "llama")
+    for i, (name, (q, n, k)) in enumerate(tensors.items()):
+        w.add_tensor(name, random_blocks(q, n, k, np.random.default_rng(i), SCALES),
+                     raw_dtype=gguf.GGMLQuantizationType[q])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_bench_cli_q8_numerics(tmp_path: Path, cache: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--bench MODEL.gguf --numerics q8` times every linear, the tied head (the embedding) included, against a
+    read of the same bytes; a file with a weight q8 does not multiply is an error naming it."""
+    kernel()
+    from specpilot.kernels.bench.gguf_cpu import main
+
+    path = tmp_path / "tiny.gguf"
+    write_gguf(path, {"token_embd.weight": ("Q8_0", 40, 64), "blk.0.attn_q.weight": ("Q4_K", 32, 256),
+                      "blk.0.ffn_down.weight": ("Q6_K", 24, 512)})
+    args = ["--bench", str(path), "--numerics", "q8", "--rows", "1,5", "--repeats", "1", "--threads", "1"]
+    assert main(args + ["--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["numerics"] == "q8" and report["isa"] in ISAS and report["threads"] == 1
+    assert report["linears"] == 3 and set(report["rows"]) == {"1", "5"} and all(v > 0 for v in report["rows"].values())
+    assert report["floor_ms"] > 0 and report["read_gb_s"] == pytest.approx(report["blocks_gb"] / report["floor_ms"] * 1e3)
+    assert len(list((cache / "q8").iterdir())) == 2  # Q4_K and Q6_K repacked, Q8_0 read as stored
+    assert main(args) == 0
+    assert "reading those bytes once takes" in capsys.readouterr().out
+    f16 = tmp_path / "f16.gguf"
+    gguf = pytest.importorskip("gguf")
+    w = gguf.GGUFWriter(str(f16), "llama")
+    w.add_tensor("output.weight", np.zeros((4, 32), np.float16))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    assert main(["--bench", str(f16), "--numerics", "q8", "--rows", "1", "--repeats", "1"]) == 2
+    assert "output.weight is F16" in capsys.readouterr().err

@@ -5,6 +5,12 @@ against float32 F.linear on dequantised copies. `floor_ms` is the blocks' bytes 
 in the same run (what streaming them once costs here). `--parts` times the AVX-512 path's work one part at a
 time (reading the blocks, dequantising them, the FMAs alone from L1) to show where a pass's time goes.
 `--json` prints {"isa", "threads", "rows": {M: ms}, "floor_ms", ...} for scripts.
+
+`--numerics q8` times the q8 product instead (kernels/cpu/q8_blocks.py: 8-bit activations, integer dot
+products, Q4_K/Q6_K through their cached repacked copies), each pass quantising every linear's input as a
+forward would. Its `floor_ms` is a read of the same bytes in the same run (a C loop over every 64-byte line of
+what the products read, the repacked copies included), not a copy; its `rows` are the best of the repeats
+(the machine is shared), the medians in `detail`.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from specpilot.kernels.cpu import q8_blocks
 from specpilot.kernels.cpu.gguf_blocks import GGUFMatrix, isa, linear_tensors
 from specpilot.kernels.cpu.skinny import SkinnyUnavailable
 from specpilot.kernels.reference.gguf_ref import UnsupportedBlockType
@@ -89,6 +96,75 @@ def bench_model(path: str, rows: list[int], repeats: int = 3, threads: int | Non
     return out
 
 
+def read_pass_ms(mats: list[tuple[str, q8_blocks.Q8Matrix]], repeats: int) -> float:
+    """Best-of-`repeats` ms of one read of every byte the products of `mats` read, nothing else."""
+    views = [v for _, m in mats for v in m.views()]
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for v in views:
+            q8_blocks.read(v)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def bench_q8(mats: list[tuple[str, q8_blocks.Q8Matrix]], rows: list[int], repeats: int = 3,
+             threads: int | None = None) -> tuple[dict[int, dict[str, float]], float]:
+    """ms of one q8 pass (quantise and multiply) over every linear with `rows` input rows, and the read floor of
+    the same bytes: per row count the best ("q8") and median of `repeats`, the CPU time per thread, and the best
+    pass against the best 1-row pass. Every repeat times the floor and every row count in turn, so a slow spell
+    of the machine falls on all of them; the floor is the best read over all repeats."""
+    t = threads or torch.get_num_threads()
+    torch.set_num_threads(t)
+    for _, m in mats:
+        m.threads = t
+    order = [1] + [r for r in rows if r != 1]
+    xs = {m_rows: [torch.randn(m_rows, m.k) for _, m in mats] for m_rows in order}
+    times: dict[int, list[float]] = {m_rows: [] for m_rows in order}
+    cpu: dict[int, list[float]] = {m_rows: [] for m_rows in order}
+    floor = float("inf")
+    with torch.inference_mode():
+        for rep in range(repeats + 1):
+            floor = min(floor, read_pass_ms(mats, 1))
+            for m_rows in order:
+                t0, c0 = time.perf_counter(), time.process_time()
+                for (_, m), x in zip(mats, xs[m_rows]):
+                    m(x)
+                if rep:
+                    times[m_rows].append((time.perf_counter() - t0) * 1e3)
+                    cpu[m_rows].append((time.process_time() - c0) * 1e3 / t)
+    out = {m_rows: {"q8": min(times[m_rows]), "q8 median": statistics.median(times[m_rows]),
+                    "q8 cpu": statistics.median(cpu[m_rows]), "q8 vs 1 row": min(times[m_rows]) / min(times[1])}
+           for m_rows in rows}
+    return out, floor
+
+
+def main_q8(args: argparse.Namespace, threads: int) -> int:
+    """--numerics q8: the q8 product over every linear of the file, against a read of the same bytes."""
+    try:
+        mats = q8_blocks.linear_tensors(args.bench, threads)
+        result, floor = bench_q8(mats, [int(r) for r in args.rows.split(",")], args.repeats, threads)
+        path = q8_blocks.isa()
+    except (FileNotFoundError, SkinnyUnavailable, UnsupportedBlockType) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    gb = sum(m.nbytes for _, m in mats) / 1e9
+    if args.json:
+        print(json.dumps({"isa": path, "numerics": "q8", "threads": threads, "linears": len(mats), "blocks_gb": gb,
+                          "read_gb_s": gb / floor * 1e3, "floor_ms": floor,
+                          "rows": {str(m): ms["q8"] for m, ms in result.items()},
+                          "detail": {str(m): ms for m, ms in result.items()}}))
+        return 0
+    print(f"{len(mats)} linears, {gb:.3f} GB read a pass, {threads} threads, q8 numerics on the {path} path; reading "
+          f"those bytes once takes {floor:.1f} ms ({gb / floor * 1e3:.1f} GB/s); ms per pass, best and median of "
+          f"{args.repeats}")
+    print(f"{'rows':>5}{'best':>9}{'median':>9}{'cpu':>9}{'vs 1 row':>9}{'vs floor':>9}")
+    for m, ms in result.items():
+        print(f"{m:>5}{ms['q8']:>9.1f}{ms['q8 median']:>9.1f}{ms['q8 cpu']:>9.1f}{ms['q8 vs 1 row']:>8.2f}x"
+              f"{ms['q8'] / floor:>8.2f}x")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """CLI: time every linear of a GGUF file under this kernel and float32 F.linear, by input rows."""
     ap = argparse.ArgumentParser(prog="python -m specpilot.kernels.gguf_blocks",
@@ -101,8 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="also time reading, dequantising and the FMAs alone (the AVX-512 path)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--numerics", choices=("f32", "q8"), default="f32",
+                    help="f32: the float32 block kernel (default); q8: the q8 product (kernels/cpu/q8_blocks.py)")
     args = ap.parse_args(argv)
     threads = args.threads or torch.get_num_threads()
+    if args.numerics == "q8":
+        return main_q8(args, threads)
     try:
         mats = linear_tensors(args.bench)
         result = bench_model(args.bench, [int(r) for r in args.rows.split(",")], args.repeats, threads,

@@ -76,6 +76,8 @@ typedef struct {
     long m, k, chunks;
     const uint8_t *w;
     long n, row_bytes, chunk_bytes;
+    const uint8_t *rp; /* the repacked blocks of the first rp_tiles tiles of 16 rows (q8_repack), or NULL */
+    long rp_tiles, rp_chunk;
     int qtype;
     float *y;
     long ldy, tile_lo, tile_hi;
@@ -178,6 +180,46 @@ static void act_table(int qtype, const int32_t *bs, long k, int32_t *aux) {
     }
 }
 
+/* ---- the repacked layout (Q4_K, Q6_K) ----
+ * Each chunk of 16 rows (a superblock of each) is stored as its dwords transposed, dword w of the 16 rows in
+ * bytes 64w..64w+63 (row r at 4r), a Q6_K chunk's last 2 bytes (d) as 16 float16 after them, padded to whole
+ * cache lines; the chunks of a tile follow each other, then the next tile's. The same bytes as the blocks, but
+ * a product reads them in one stream as the vectors it multiplies, with no transposing (a 1-row pass of the
+ * 1.5B: 42 -> see q8_blocks.py). Rows past the last whole tile of 16 stay in the blocks as stored. */
+
+/* Bytes of one repacked chunk of `qtype`, 0 if it has no repacked layout. */
+static long rp_chunk(int qtype) {
+    if (qtype != T_Q4_K && qtype != T_Q6_K) return 0;
+    long b = TRAITS[qtype].bytes;
+    return (b / 4 * 64 + b % 4 * 16 + 63) / 64 * 64;
+}
+
+/* Bytes q8_repack writes for n rows of k values of `qtype`; 0 where there is nothing to repack. */
+long q8_repack_bytes(int qtype, long n, long k) {
+    long c = rp_chunk(qtype);
+    return c && k > 0 && k % QA == 0 && n >= 16 ? n / 16 * (k / QA) * c : 0;
+}
+
+/* The repacked layout of the first n / 16 * 16 rows of W (n rows of k values of `qtype`) into out
+ * (q8_repack_bytes of them). Returns 0, or -1 for a format or shape without one. */
+int q8_repack(const uint8_t *w, long n, long k, int qtype, uint8_t *out, int threads) {
+    long cb = rp_chunk(qtype), bytes = q8_repack_bytes(qtype, n, k);
+    if (!bytes) return -1;
+    long size = TRAITS[qtype].bytes, chunks = k / QA, row_bytes = chunks * size, words = size / 4;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+    for (long tc = 0; tc < n / 16 * chunks; tc++) {
+        uint8_t *dst = out + tc * cb;
+        memset(dst, 0, cb);
+        for (int r = 0; r < 16; r++) {
+            const uint8_t *src = w + (tc / chunks * 16 + r) * row_bytes + tc % chunks * size;
+            for (long i = 0; i < words; i++) memcpy(dst + 64 * i + 4 * r, src + 4 * i, 4);
+            memcpy(dst + 64 * words + size % 4 * r, src + 4 * words, size % 4);
+        }
+    }
+    return 0;
+}
+
 /* The prefetch stream of a job, PREFETCH_AHEAD chunks ahead of the decoder along the job's order (a tile's
  * chunks, then the next tile's): the lines at 0, 64, .. of each row-chunk (a chunk's last line is mostly the
  * next one's first). Prefetching never faults, so a short last chunk may ask past its row. */
@@ -228,8 +270,8 @@ int q8_isa(int want) {
 }
 
 /* One pass: up to PASS activation rows against every weight row, the tiles shared among `threads`. */
-static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, long n, long row_bytes, int qtype, float *y,
-                     long ldy, int threads) {
+static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, const uint8_t *rp, long n, long row_bytes,
+                     int qtype, float *y, long ldy, int threads) {
     int wide = q8_isa(-1);
     long lanes = wide ? 16 : 8, tiles = (n + lanes - 1) / lanes, block = TRAITS[qtype].block;
     long chunk_bytes = TRAITS[qtype].bytes * (QA / block);
@@ -240,8 +282,8 @@ static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, long n, 
     if (threads < 1) threads = 1;
     job_t jobs[64];
     for (int t = 0; t < threads; t++)
-        jobs[t] = (job_t){x, m, k, (k + QA - 1) / QA, w, n, row_bytes, chunk_bytes, qtype, y, ldy,
-                          tiles * t / threads, tiles * (t + 1) / threads};
+        jobs[t] = (job_t){x, m, k, (k + QA - 1) / QA, w, n, row_bytes, chunk_bytes, rp, rp ? n / 16 : 0,
+                          rp_chunk(qtype), qtype, y, ldy, tiles * t / threads, tiles * (t + 1) / threads};
     void (*body)(const job_t *) = wide ? run_tiles_512 : run_tiles_256;
     /* on the process's OpenMP team: torch's own threads, as gguf_blocks.c does */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
@@ -249,12 +291,13 @@ static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, long n, 
 }
 
 /* y[m, n] (row stride ldy) = the q8 product of quantised activations (q [m, k], d [m, ceil(k / 256)], bsums
- * [m, k / 16], as q8_quantize writes them) and W, n stored rows of row_bytes in format qtype (never written).
- * Rows past PASS take further passes. Returns 0, or -1 for bad arguments. */
-int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, long k, const uint8_t *w, long n,
-              long row_bytes, int qtype, float *y, long ldy, int threads) {
+ * [m, k / 16], as q8_quantize writes them) and W, n stored rows of row_bytes in format qtype; rp: W's
+ * repacked layout (q8_repack) or NULL. Neither is written. Rows past PASS take further passes. Returns 0, or -1
+ * for bad arguments. */
+int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, long k, const uint8_t *w,
+              const uint8_t *rp, long n, long row_bytes, int qtype, float *y, long ldy, int threads) {
     if (!q8_supported(qtype) || m < 0 || n < 0 || k <= 0 || k % 32 || k % TRAITS[qtype].block ||
-        row_bytes != k / TRAITS[qtype].block * TRAITS[qtype].bytes)
+        row_bytes != k / TRAITS[qtype].block * TRAITS[qtype].bytes || (rp && !q8_repack_bytes(qtype, n, k)))
         return -1;
     if (m == 0 || n == 0) return 0;
     long nblk = (k + QA - 1) / QA;
@@ -267,15 +310,15 @@ int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, lon
             act_table(qtype, bsums + (m0 + i) * (k / 16), k, aux + (m0 + i) * (k / 16));
             x[i] = (xrow_t){q + (m0 + i) * k, d + (m0 + i) * nblk, aux + (m0 + i) * (k / 16)};
         }
-        run_pass(x, rows, k, w, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
+        run_pass(x, rows, k, w, rp, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
     }
     free(aux);
     return 0;
 }
 
 /* q8_quantize then q8_matmul in one call (one foreign call per product for a caller with float rows). */
-int q8_linear(const float *x, long m, long k, long ldx, const uint8_t *w, long n, long row_bytes, int qtype, float *y,
-              long ldy, int threads) {
+int q8_linear(const float *x, long m, long k, long ldx, const uint8_t *w, const uint8_t *rp, long n, long row_bytes,
+              int qtype, float *y, long ldy, int threads) {
     if (k <= 0 || k % 32 || m < 0) return -1;
     long nblk = (k + QA - 1) / QA;
     int8_t *q = malloc(m * k + sizeof(float) * m * nblk + sizeof(int32_t) * m * (k / 16) + 64);
@@ -283,7 +326,7 @@ int q8_linear(const float *x, long m, long k, long ldx, const uint8_t *w, long n
     float *d = (float *)(((uintptr_t)(q + m * k) + 63) & ~(uintptr_t)63);
     int32_t *bs = (int32_t *)(d + m * nblk);
     q8_quantize(x, m, k, ldx, q, d, bs);
-    int rc = q8_matmul(q, d, bs, m, k, w, n, row_bytes, qtype, y, ldy, threads);
+    int rc = q8_matmul(q, d, bs, m, k, w, rp, n, row_bytes, qtype, y, ldy, threads);
     free(q);
     return rc;
 }
@@ -343,12 +386,21 @@ long q8_read(const uint8_t *p, long bytes) {
 #define dot_q4_k SFX(dot_q4_k)
 #define dot_q6_k SFX(dot_q6_k)
 #define dot_b32 SFX(dot_b32)
+#define vload SFX(vload)
+#define hdr_q4_k SFX(hdr_q4_k)
+#define rp_q4_k SFX(rp_q4_k)
+#define rp_q6_k SFX(rp_q6_k)
+#define q6_scales SFX(q6_scales)
+#define f16v SFX(f16v)
 
-/* One tile's chunk, decoded: everything an activation row needs, one int32 or float lane per weight row. */
+/* One tile's chunk, decoded: everything an activation row needs, one int32 or float lane per weight row.
+ * Transposed dwords are vectors 64 bytes apart, as in the repacked layout (the AVX2 path reads half of each). */
 typedef struct {
-    vi nib[32];   /* Q4_K, Q4_1, Q6_K: the packed nibble dwords, transposed (each dot unpacks them: stores are dear) */
-    vi qh[16];    /* Q6_K: the dwords of high bits, transposed */
-    vi codes[KG]; /* other formats: codes[g] lane r = the 4 unsigned codes of values 4g..4g+3 of row r */
+    const char *nib; /* Q4_K, Q4_1, Q6_K: the packed nibble dwords, transposed (each dot unpacks them: stores are
+                      * dear), in nibbuf or the repacked chunk */
+    const char *qh;  /* Q6_K: the dwords of high bits, likewise */
+    char nibbuf[32 * 64] __attribute__((aligned(64))), qhbuf[16 * 64] __attribute__((aligned(64)));
+    vi codes[KG]; /* Q8_0, Q5_0: codes[g] lane r = the 4 unsigned codes of values 4g..4g+3 of row r */
     vi sc[16];    /* sub-block scales (Q4_K: 8 of 32 values, Q6_K: 16 of 16) */
     vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
     vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
@@ -372,9 +424,9 @@ INL vi dot2(vi acc, vi a, const int32_t *p) {
 /* the float16 in the low half of each lane, widened */
 INL vf f16lo(vi v) { return (vf)_mm512_cvtph_ps(_mm512_cvtepi32_epi16((__m512i)v)); }
 
-/* out[w] lane r = dword w of the 32 bytes at rows[r] + a (w < 8) and at rows[r] + b (w >= 8): a 16 x 16
- * transpose, two 4 x 4 stages within 128-bit lanes and two across them */
-INL void tr16(const uint8_t *const *rows, long a, long b, vi *out) {
+/* vector w at out + 64w (64-byte aligned), lane r = dword w of the 32 bytes at rows[r] + a (w < 8) and at
+ * rows[r] + b (w >= 8): a 16 x 16 transpose, two 4 x 4 stages within 128-bit lanes and two across them */
+INL void tr16(const uint8_t *const *rows, long a, long b, char *out) {
     __m512i r[16], t[16];
     for (int i = 0; i < 16; i++)
         r[i] = b == a + 32 ? _mm512_loadu_si512(rows[i] + a)
@@ -395,10 +447,10 @@ INL void tr16(const uint8_t *const *rows, long a, long b, vi *out) {
         __m512i c1 = _mm512_shuffle_i32x4(r[e], r[4 + e], _MM_SHUFFLE(3, 2, 3, 2));
         __m512i c2 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(1, 0, 1, 0));
         __m512i c3 = _mm512_shuffle_i32x4(r[8 + e], r[12 + e], _MM_SHUFFLE(3, 2, 3, 2));
-        out[e] = (vi)_mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0));
-        out[4 + e] = (vi)_mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1));
-        out[8 + e] = (vi)_mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0));
-        out[12 + e] = (vi)_mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1));
+        _mm512_store_si512(out + 64 * e, _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_store_si512(out + 64 * (4 + e), _mm512_shuffle_i32x4(c0, c2, _MM_SHUFFLE(3, 1, 3, 1)));
+        _mm512_store_si512(out + 64 * (8 + e), _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(2, 0, 2, 0)));
+        _mm512_store_si512(out + 64 * (12 + e), _mm512_shuffle_i32x4(c1, c3, _MM_SHUFFLE(3, 1, 3, 1)));
     }
 }
 
@@ -421,6 +473,9 @@ INL void tr4(const uint8_t *const *rows, long a, vi *out) {
 INL vi gather(const uint8_t *const *rows, vi offs, long a) {
     return (vi)_mm512_i32gather_epi32((__m512i)offs, rows[0] + a, 1);
 }
+
+/* 16 float16 at p, widened */
+INL vf f16v(const char *p) { return (vf)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 
 #else /* AVX2 */
 /* maddubs' 16-bit pair sums stay within 2 * 63 * 127 for codes below 64 */
@@ -446,8 +501,8 @@ INL vf f16lo(vi v) {
     return (vf)_mm256_cvtph_ps(_mm256_castsi256_si128(w));
 }
 
-/* 8 x 8 dword transpose: out[w] lane i = dword w of r[i] */
-INL void tr8x8(const __m256i *r, vi *out) {
+/* 8 x 8 dword transpose: vector w at out + 64w, lane i = dword w of r[i] */
+INL void tr8x8(const __m256i *r, char *out) {
     __m256i t[8], u[8];
     for (int i = 0; i < 4; i++) {
         t[2 * i] = _mm256_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
@@ -460,17 +515,17 @@ INL void tr8x8(const __m256i *r, vi *out) {
         u[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
     }
     for (int e = 0; e < 4; e++) {
-        out[e] = (vi)_mm256_permute2x128_si256(u[e], u[4 + e], 0x20);
-        out[4 + e] = (vi)_mm256_permute2x128_si256(u[e], u[4 + e], 0x31);
+        _mm256_store_si256((__m256i *)(out + 64 * e), _mm256_permute2x128_si256(u[e], u[4 + e], 0x20));
+        _mm256_store_si256((__m256i *)(out + 64 * (4 + e)), _mm256_permute2x128_si256(u[e], u[4 + e], 0x31));
     }
 }
 
-INL void tr16(const uint8_t *const *rows, long a, long b, vi *out) {
+INL void tr16(const uint8_t *const *rows, long a, long b, char *out) {
     __m256i r[8];
     for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + a));
     tr8x8(r, out);
     for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_si256((const __m256i *)(rows[i] + b));
-    tr8x8(r, out + 8);
+    tr8x8(r, out + 64 * 8);
 }
 
 INL void tr4(const uint8_t *const *rows, long a, vi *out) {
@@ -487,19 +542,27 @@ INL void tr4(const uint8_t *const *rows, long a, vi *out) {
 INL vi gather(const uint8_t *const *rows, vi offs, long a) {
     return (vi)_mm256_i32gather_epi32((const int *)(rows[0] + a), (__m256i)offs, 1);
 }
+
+INL vf f16v(const char *p) { return (vf)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #endif
 
 /* ---- decoding a tile's chunk into the scratch (the same text for both sets) ---- */
 
 #define NIB 0x0f0f0f0fu
 INL vf f16hi(vi v) { return f16lo((vi)((vu)v >> 16)); }
+INL vi vload(const char *p) {
+    vi v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+/* transposed vector i of a buffer or repacked chunk (vectors 64 bytes apart) */
+#define VEC(p, i) vload((p) + 64 * (i))
 
 /* Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128 bytes
- * of nibbles (bytes 32c..32c+31: values 64c.. in the low nibbles, 64c+32.. in the high), so nib[8c + g] holds
- * value group g of sub-block 2c in its low nibbles and of 2c + 1 in its high ones. */
-INL void dec_q4_k(const uint8_t *const *rows, long at, scratch_t *s) {
-    vi h[4];
-    tr4(rows, at, h);
+ * of nibbles (bytes 32c..32c+31: values 64c.. in the low nibbles, 64c+32.. in the high), so nibble vector 8c + g
+ * holds value group g of sub-block 2c in its low nibbles and of 2c + 1 in its high ones. h: the header's 4
+ * dwords, transposed. */
+INL void hdr_q4_k(const vi *h, scratch_t *s) {
     s->d[0] = f16lo(h[0]), s->m[0] = f16hi(h[0]);
     vu h1 = (vu)h[1], h2 = (vu)h[2], h3 = (vu)h[3];
     vi mn[8];
@@ -510,37 +573,66 @@ INL void dec_q4_k(const uint8_t *const *rows, long at, scratch_t *s) {
         mn[4 + j] = (vi)(((h3 >> (8 * j + 4)) & 15) | ((h2 >> (8 * j + 2)) & 0x30));
     }
     for (int i = 0; i < 4; i++) s->mn[i] = mn[2 * i] | (mn[2 * i + 1] << 16);
-    tr16(rows, at + 16, at + 48, s->nib);
-    tr16(rows, at + 80, at + 112, s->nib + 16);
+}
+
+INL void dec_q4_k(const uint8_t *const *rows, long at, scratch_t *s) {
+    vi h[4];
+    tr4(rows, at, h);
+    hdr_q4_k(h, s);
+    tr16(rows, at + 16, at + 48, s->nibbuf);
+    tr16(rows, at + 80, at + 112, s->nibbuf + 64 * 16);
+    s->nib = s->nibbuf;
+}
+
+/* a repacked Q4_K chunk: the header's 4 dwords, then the 32 nibble dwords */
+INL void rp_q4_k(const char *p, scratch_t *s) {
+    vi h[4];
+    for (int w = 0; w < 4; w++) h[w] = VEC(p, w);
+    hdr_q4_k(h, s);
+    s->nib = p + 64 * 4;
 }
 
 /* Q6_K (210 bytes): ql[128], qh[64], int8 scales[16], f16 d. Value 128h + 32s + l (h < 2, s < 4, l < 32):
  * nibble s >> 1 of ql[64h + 32(s & 1) + l], high bits (qh[32h + l] >> 2s) & 3. Kept transposed as stored. */
+INL void q6_scales(const vi *h, scratch_t *s) {
+    for (int j = 0; j < 16; j++) s->sc[j] = (vi)((vu)h[j / 4] << (24 - 8 * (j % 4))) >> 24; /* int8 -> int32 */
+}
+
 INL void dec_q6_k(const uint8_t *const *rows, vi offs, long at, scratch_t *s) {
     vi h[4];
     tr4(rows, at + 192, h);
-    for (int j = 0; j < 16; j++) s->sc[j] = (vi)((vu)h[j / 4] << (24 - 8 * (j % 4))) >> 24; /* int8 -> int32 */
+    q6_scales(h, s);
     s->d[0] = f16hi(gather(rows, offs, at + 206));
-    tr16(rows, at, at + 32, s->nib);
-    tr16(rows, at + 64, at + 96, s->nib + 16);
-    tr16(rows, at + 128, at + 160, s->qh);
+    tr16(rows, at, at + 32, s->nibbuf);
+    tr16(rows, at + 64, at + 96, s->nibbuf + 64 * 16);
+    tr16(rows, at + 128, at + 160, s->qhbuf);
+    s->nib = s->nibbuf, s->qh = s->qhbuf;
 }
 
-/* Q6_K's codes of values 128h + 32s + 4g .. + 3 (g < 8): the ql nibble dwords nib[16h + 8(s & 1) + g], nibble
- * s >> 1, and bits 2s, 2s + 1 of the high-bit dwords qh[8h + g] */
+/* a repacked Q6_K chunk: 32 ql dwords, 16 qh dwords, 4 scale dwords, then the 16 rows' d (this half's at d) */
+INL void rp_q6_k(const char *p, const char *d, scratch_t *s) {
+    vi h[4];
+    for (int w = 0; w < 4; w++) h[w] = VEC(p, 48 + w);
+    q6_scales(h, s);
+    s->d[0] = f16v(d);
+    s->nib = p, s->qh = p + 64 * 32;
+}
+
+/* Q6_K's codes of values 128h + 32s + 4g .. + 3 (g < 8): the ql nibble dwords 16h + 8(s & 1) + g, nibble
+ * s >> 1, and bits 2s, 2s + 1 of the high-bit dwords 8h + g */
 INL vi q6_code(const scratch_t *s, int h, int g, const int sb) {
-    vu ql = (vu)s->nib[16 * h + 8 * (sb & 1) + g], qh = (vu)s->qh[8 * h + g];
+    vu ql = (vu)VEC(s->nib, 16 * h + 8 * (sb & 1) + g), qh = (vu)VEC(s->qh, 8 * h + g);
     vu lo = sb < 2 ? ql & NIB : (ql >> 4) & NIB, hb = qh & (0x03030303u << 2 * sb);
     return (vi)(lo | (sb < 2 ? hb << (4 - 2 * sb) : hb >> (2 * sb - 4)));
 }
 
 /* Q8_0 (34 bytes): f16 d, int8 q[32]; codes q + 128. `nb` blocks of 32 from byte `at`. */
 INL void dec_q8_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_t *s) {
-    vi t[16];
+    char t[16 * 64] __attribute__((aligned(64)));
     for (int b = 0; b < nb; b += 2) {
         int b1 = b + 1 < nb ? b + 1 : b;
         tr16(rows, at + 34 * b + 2, at + 34 * b1 + 2, t);
-        for (int g = 0; g < 16; g++) s->codes[8 * b + g] = (vi)((vu)t[g] ^ 0x80808080u);
+        for (int g = 0; g < 16; g++) s->codes[8 * b + g] = (vi)((vu)VEC(t, g) ^ 0x80808080u);
     }
     for (int b = 0; b < nb; b++) s->d[b] = f16lo(gather(rows, offs, at + 34 * b));
 }
@@ -548,10 +640,12 @@ INL void dec_q8_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_
 /* Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles (values 0-15 low, 16-31 high). */
 INL void dec_q4_1(const uint8_t *const *rows, vi offs, long at, int nb, scratch_t *s) {
     for (int b = 0; b < nb; b++) {
-        vi h = gather(rows, offs, at + 20 * b);
+        vi h = gather(rows, offs, at + 20 * b), t[4];
         s->d[b] = f16lo(h), s->m[b] = f16hi(h);
-        tr4(rows, at + 20 * b + 4, s->nib + 4 * b); /* value group w low, 4 + w high */
+        tr4(rows, at + 20 * b + 4, t); /* value group w low, 4 + w high */
+        for (int w = 0; w < 4; w++) memcpy(s->nibbuf + 64 * (4 * b + w), &t[w], sizeof t[w]);
     }
+    s->nib = s->nibbuf;
 }
 
 /* bit i of x (i < 4) to bit 4 of byte i: the four shifted copies of x that the multiply adds never overlap */
@@ -591,7 +685,7 @@ INL void dot_q4_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int 
         vi acc[GROUP][8];
         UNROLL for (int r = 0; r < G; r++) UNROLL for (int j = 0; j < 2 * SP; j++) acc[r][j] = (vi){0};
         UNROLL for (int g = 0; g < 8; g++) UNROLL for (int p = 0; p < SP; p++) {
-            vu raw = (vu)s->nib[8 * (p0 + p) + g];
+            vu raw = (vu)VEC(s->nib, 8 * (p0 + p) + g);
             vi lo = (vi)(raw & NIB), hi = (vi)((raw >> 4) & NIB);
             UNROLL for (int r = 0; r < G; r++) {
                 const int8_t *xp = xq[r] + 64 * (p0 + p) + 4 * g;
@@ -654,7 +748,7 @@ INL void dot_b32(int qtype, const scratch_t *s, const xrow_t *x, long c, int nb,
         UNROLL for (int g = 0; g < 8; g++) UNROLL for (int b = 0; b < SB; b++) {
             /* past the chunk's blocks: stale codes, never used */
             vi code = qtype != T_Q4_1 ? s->codes[8 * (b0 + b) + g]
-                    : (vi)(((vu)s->nib[4 * (b0 + b) + g % 4] >> (g / 4 * 4)) & NIB);
+                    : (vi)(((vu)VEC(s->nib, 4 * (b0 + b) + g % 4) >> (g / 4 * 4)) & NIB);
             UNROLL for (int r = 0; r < G; r++) {
                 const int8_t *p = xq[r] + 32 * (b0 + b) + 4 * g;
                 acc[r][b] = qtype == T_Q8_0 ? dot4w(acc[r][b], code, p) : dot4(acc[r][b], code, p);
@@ -696,34 +790,52 @@ INL void dot_b32(int qtype, const scratch_t *s, const xrow_t *x, long c, int nb,
         }                                                                                                      \
     }
 
-typedef void (*SFX(chunk_fn))(const job_t *, const uint8_t *const *, const vi *, long, scratch_t *, vf *, pf_t *);
+/* Where a tile's blocks are: its rows as stored (and offs[r] = rows[r] - rows[0]), or its repacked chunks (this
+ * path's half of each 16-row vector on the AVX2 path, which takes 8 rows a tile). */
+typedef struct {
+    const uint8_t *rows[LANES];
+    vi offs;
+    const char *rp;
+    int half;
+} SFX(tile_t);
+
+typedef void (*SFX(chunk_fn))(const job_t *, const SFX(tile_t) *, long, scratch_t *, vf *, pf_t *);
 
 /* A chunk of each format: its prefetch step, its decoding, every activation row's dot. */
-static void SFX(chunk_q4_k)(const job_t *j, const uint8_t *const *rows, const vi *offs, long c, scratch_t *s, vf *y,
-                            pf_t *pf) {
-    (void)offs;
-    pf_step(pf, j, LANES, BYTES_Q4_K);
-    dec_q4_k(rows, c * j->chunk_bytes, s);
+static void SFX(chunk_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    if (tl->rp) {
+        const char *p = tl->rp + c * j->rp_chunk;
+        for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T0);
+        rp_q4_k(p + 4 * LANES * tl->half, s);
+    } else {
+        pf_step(pf, j, LANES, BYTES_Q4_K);
+        dec_q4_k(tl->rows, c * j->chunk_bytes, s);
+    }
 #define CALL(G) dot_q4_k(s, x, c, yy, G)
     EACH_GROUP(CALL)
 #undef CALL
 }
 
-static void SFX(chunk_q6_k)(const job_t *j, const uint8_t *const *rows, const vi *offs, long c, scratch_t *s, vf *y,
-                            pf_t *pf) {
-    pf_step(pf, j, LANES, BYTES_Q6_K);
-    dec_q6_k(rows, *offs, c * j->chunk_bytes, s);
+static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    if (tl->rp) {
+        const char *p = tl->rp + c * j->rp_chunk;
+        for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T0);
+        rp_q6_k(p + 4 * LANES * tl->half, p + 64 * 52 + 2 * LANES * tl->half, s);
+    } else {
+        pf_step(pf, j, LANES, BYTES_Q6_K);
+        dec_q6_k(tl->rows, tl->offs, c * j->chunk_bytes, s);
+    }
 #define CALL(G) dot_q6_k(s, x, c, yy, G)
     EACH_GROUP(CALL)
 #undef CALL
 }
 
 #define CHUNK_B32(stem, N)                                                                                     \
-    static void SFX(chunk_##stem)(const job_t *j, const uint8_t *const *rows, const vi *offs, long c,          \
-                                  scratch_t *s, vf *y, pf_t *pf) {                                             \
+    static void SFX(chunk_##stem)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y,          \
+                                  pf_t *pf) {                                                                  \
         const int qt = T_##N, nb = (int)((j->k - QA * c < QA ? j->k - QA * c : QA) / 32);                      \
         pf_step(pf, j, LANES, 8 * BYTES_##N);                                                                  \
-        dec_##stem(rows, *offs, c * j->chunk_bytes, nb, s);                                                    \
+        dec_##stem(tl->rows, tl->offs, c * j->chunk_bytes, nb, s);                                             \
         EACH_GROUP(CALL_B32)                                                                                   \
     }
 #define CALL_B32(G) dot_b32(qt, s, x, c, nb, yy, G)
@@ -733,30 +845,40 @@ CHUNK_B32(q4_1, Q4_1)
 #undef CALL_B32
 #undef CHUNK_B32
 
-/* Every tile of the job: its LANES rows (past the last weight row, the last again: computed, never stored),
- * the chunks along K in order (so each output's block terms join in block order), the prefetch stream running
- * PREFETCH_AHEAD chunks ahead. */
+/* Tile t's blocks: repacked where the job has them, else its LANES rows as stored (past the last weight row,
+ * the last again: computed, never stored), with the row prefetch stream started if it is not running. */
+static void SFX(tile_at)(const job_t *j, long t, SFX(tile_t) *tl, pf_t *pf) {
+    long t16 = t * LANES / 16;
+    if (t16 < j->rp_tiles) {
+        tl->rp = (const char *)j->rp + t16 * j->chunks * j->rp_chunk, tl->half = (int)(t % (16 / LANES));
+        return;
+    }
+    tl->rp = NULL;
+    for (int r = 0; r < LANES; r++) {
+        long row = t * LANES + r < j->n ? t * LANES + r : j->n - 1;
+        tl->rows[r] = j->w + row * j->row_bytes;
+        tl->offs[r] = (int32_t)((row - t * LANES) * j->row_bytes);
+    }
+    if (pf->t < t) {
+        pf_tile(pf, j, t, LANES);
+        for (int i = 0; i < PREFETCH_AHEAD; i++) pf_step(pf, j, LANES, j->chunk_bytes);
+    }
+}
+
+/* Every tile of the job, the chunks along K in order (so each output's block terms join in block order), each
+ * stream (repacked, or the rows') prefetched PREFETCH_AHEAD chunks ahead. */
 static void SFX(run_tiles)(const job_t *j) {
     SFX(chunk_fn) fn = j->qtype == T_Q4_K ? SFX(chunk_q4_k) : j->qtype == T_Q6_K ? SFX(chunk_q6_k)
                      : j->qtype == T_Q8_0 ? SFX(chunk_q8_0) : j->qtype == T_Q5_0 ? SFX(chunk_q5_0)
                      : SFX(chunk_q4_1);
     scratch_t s;
     vf y[PASS];
-    pf_t pf;
-    pf_tile(&pf, j, j->tile_lo, LANES);
-    for (int i = 0; i < PREFETCH_AHEAD; i++) pf_step(&pf, j, LANES, j->chunk_bytes);
+    pf_t pf = {.t = -1};
+    SFX(tile_t) tl;
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
-        const uint8_t *rows[LANES];
-        vi offs;
-        for (int r = 0; r < LANES; r++) {
-            long row = t * LANES + r < j->n ? t * LANES + r : j->n - 1;
-            rows[r] = j->w + row * j->row_bytes;
-            offs[r] = (int32_t)((row - t * LANES) * j->row_bytes);
-        }
+        SFX(tile_at)(j, t, &tl, &pf);
         for (long i = 0; i < j->m; i++) y[i] = (vf){0};
-        for (long c = 0; c < j->chunks; c++) {
-            fn(j, rows, &offs, c, &s, y, &pf);
-        }
+        for (long c = 0; c < j->chunks; c++) fn(j, &tl, c, &s, y, &pf);
         for (long i = 0; i < j->m; i++)
             for (int r = 0; r < LANES && t * LANES + r < j->n; r++) j->y[i * j->ldy + t * LANES + r] = y[i][r];
     }
@@ -794,5 +916,12 @@ static void SFX(run_tiles)(const job_t *j) {
 #undef dot_q4_k
 #undef dot_q6_k
 #undef dot_b32
+#undef vload
+#undef hdr_q4_k
+#undef rp_q4_k
+#undef rp_q6_k
+#undef q6_scales
+#undef f16v
+#undef VEC
 #pragma GCC pop_options
 #endif

@@ -6,6 +6,9 @@ combination per weight block; the C kernel gives the oracle's bits for any numbe
 any thread count, reading the caller's blocks in place (a read-only memmap stays shared, never copied).
 A caller with one input for several matrices (q/k/v, gate/up) quantises it once (`quantize`) and multiplies
 it by each (`Q8Matrix.product`); `Q8Matrix(x)` does both in one foreign call.
+Q4_K and Q6_K matrices of a GGUF file are read through a repacked copy (q8_blocks.c: each 16-row superblock's
+dwords transposed, the same bytes): written once per source file into the SpecPilot cache and memory-mapped
+read-only, so every process shares one copy through the page cache, as it shares the file itself.
 Built once per source version with the system C compiler into the SpecPilot cache, like gguf_blocks.py.
 """
 
@@ -13,11 +16,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import hashlib
+import mmap
+import os
+import tempfile
+import warnings
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from specpilot.kernels import cache_dir
 from specpilot.kernels.build import compiled, loads
 from specpilot.kernels.cpu.skinny import SkinnyUnavailable, cpu_supports_avx2_fma
 from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, as_raw, row_bytes
@@ -25,8 +34,10 @@ from specpilot.kernels.reference.q8_ref import QA, Q8Activations, check_q8_type
 
 SOURCE = Path(__file__).with_name("q8_blocks.c")
 FLAGS = ("-O3", "-mavx2", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
+REPACK_LAYOUT = 1  # bump when q8_repack's layout changes: cached copies of another layout are not read
 
-__all__ = ["Q8Matrix", "UnsupportedBlockType", "available", "block_traits", "isa", "library", "quantize", "read"]
+__all__ = ["Q8Matrix", "UnsupportedBlockType", "available", "block_traits", "isa", "library", "linear_tensors", "quantize",
+           "read", "repacked"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -38,10 +49,14 @@ def library() -> ctypes.CDLL:
     ptr, n, i = ctypes.c_void_p, ctypes.c_long, ctypes.c_int
     lib.q8_quantize.argtypes = [ptr, n, n, n, ptr, ptr, ptr]
     lib.q8_quantize.restype = None
-    lib.q8_matmul.argtypes = [ptr, ptr, ptr, n, n, ptr, n, n, i, ptr, n, i]
+    lib.q8_matmul.argtypes = [ptr, ptr, ptr, n, n, ptr, ptr, n, n, i, ptr, n, i]
     lib.q8_matmul.restype = i
-    lib.q8_linear.argtypes = [ptr, n, n, n, ptr, n, n, i, ptr, n, i]
+    lib.q8_linear.argtypes = [ptr, n, n, n, ptr, ptr, n, n, i, ptr, n, i]
     lib.q8_linear.restype = i
+    lib.q8_repack_bytes.argtypes = [i, n, n]
+    lib.q8_repack_bytes.restype = n
+    lib.q8_repack.argtypes = [ptr, n, n, i, ptr, i]
+    lib.q8_repack.restype = i
     lib.q8_read.argtypes = [ptr, n]
     lib.q8_read.restype = n
     lib.q8_isa.argtypes = [i]
@@ -91,6 +106,55 @@ def quantize(x: torch.Tensor) -> Q8Activations:
     return Q8Activations(q, d, bsums)
 
 
+def _source(raw: np.ndarray | torch.Tensor) -> tuple[str, int] | None:
+    """(file, byte offset) of blocks that are a view of a file's np.memmap (as gguf-py's tensors are), else None."""
+    mm = getattr(raw, "_mmap", None)
+    name = getattr(raw, "filename", None)
+    if not isinstance(raw, np.memmap) or mm is None or not name:
+        return None
+    start = raw.offset - raw.offset % mmap.ALLOCATIONGRANULARITY  # the file offset the mapping starts at
+    return str(name), start + raw.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data
+
+
+def _repack_into(raw: torch.Tensor, qtype: int, n: int, k: int, out: np.ndarray | torch.Tensor) -> None:
+    dst = out.ctypes.data if isinstance(out, np.ndarray) else out.data_ptr()
+    if library().q8_repack(raw.data_ptr(), n, k, qtype, dst, torch.get_num_threads()):
+        raise RuntimeError(f"q8_repack refused type {qtype} [{n}, {k}]")
+
+
+def repacked(raw: torch.Tensor, qtype: int, n: int, k: int, source: tuple[str, int] | None) -> torch.Tensor | None:
+    """The repacked layout of blocks raw [n, row_bytes], or None where the format has none. From a file
+    (`source`: path, offset) it is the cached copy for that file's identity (path, size, mtime, inode, offset,
+    shape, layout), written on first use and mapped read-only; otherwise a private copy."""
+    size = library().q8_repack_bytes(qtype, n, k)
+    if not size:
+        return None
+    if source is None:
+        out = torch.empty(size, dtype=torch.uint8)
+        _repack_into(raw, qtype, n, k, out)
+        return out
+    path, offset = source
+    st = os.stat(path)
+    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{offset}|{qtype}|{n}|{k}|{REPACK_LAYOUT}"
+    target = cache_dir() / "q8" / f"{Path(path).stem}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.q8rp"
+    if not (target.exists() and target.stat().st_size == size):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".q8rp", dir=target.parent)  # concurrent writers: each its own, renamed
+        os.close(fd)
+        try:
+            out = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=(size,))
+            _repack_into(raw, qtype, n, k, out)
+            out.flush()
+            del out
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    with warnings.catch_warnings():  # read-only: nothing here writes to it
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.memmap(target, dtype=np.uint8, mode="r", shape=(size,)))
+
+
 def read(raw: torch.Tensor) -> int:
     """Read every byte of `raw` once (a contiguous uint8 tensor) and nothing else: the floor of a pass."""
     return library().q8_read(raw.data_ptr(), raw.numel())
@@ -101,7 +165,10 @@ class Q8Matrix:
     calling it on x [..., K] gives float32 [..., N], q8_ref.matmul's bits."""
 
     def __init__(self, raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, repack: bool | None = None) -> None:
+        """`repack`: read Q4_K/Q6_K blocks through their repacked layout (None: where the blocks are a file's
+        memmap, through the shared cached copy; True: also a private copy of blocks in memory; False: never).
+        The bits are the same either way."""
         self.qtype = check_q8_type(qtype)
         self.name = FORMATS[self.qtype][0]
         self.n, self.k = int(n), int(k)
@@ -111,11 +178,25 @@ class Q8Matrix:
         self.raw = as_raw(raw, self.qtype, self.n, self.k)
         self.threads = threads
         self.lib = library()
+        source = _source(raw)
+        want = repack if repack is not None else source is not None
+        self.packed = repacked(self.raw, self.qtype, self.n, self.k, source) if want else None
 
     @property
     def nbytes(self) -> int:
-        """Bytes of stored blocks one full product reads."""
-        return self.n * self.row_bytes
+        """Bytes one full product reads (the repacked copy pads each Q6_K superblock of 16 rows by 32)."""
+        return sum(v.numel() for v in self.views())
+
+    def views(self) -> list[torch.Tensor]:
+        """The bytes one full product reads: the repacked copy and the rows past its last tile of 16, or the
+        blocks as stored (for a floor that reads what the product reads)."""
+        if self.packed is None:
+            return [self.raw.reshape(-1)]
+        tail = self.raw[self.n // 16 * 16:].reshape(-1)
+        return [self.packed] + ([tail] if tail.numel() else [])
+
+    def _packed_ptr(self) -> int | None:
+        return None if self.packed is None else self.packed.data_ptr()
 
     def _threads(self, threads: int | None) -> int:
         return max(1, threads or self.threads or torch.get_num_threads())
@@ -132,8 +213,9 @@ class Q8Matrix:
         q, d, bs = xq.q.contiguous(), xq.d.contiguous(), xq.bsums.contiguous()
         m = q.shape[0]
         out = torch.empty(m, self.n, dtype=torch.float32)
-        rc = self.lib.q8_matmul(q.data_ptr(), d.data_ptr(), bs.data_ptr(), m, self.k, self.raw.data_ptr(), self.n,
-                                self.row_bytes, self.qtype, out.data_ptr(), self.n, self._threads(threads))
+        rc = self.lib.q8_matmul(q.data_ptr(), d.data_ptr(), bs.data_ptr(), m, self.k, self.raw.data_ptr(),
+                                self._packed_ptr(), self.n, self.row_bytes, self.qtype, out.data_ptr(), self.n,
+                                self._threads(threads))
         if rc:
             raise RuntimeError(f"q8_matmul rejected {self.name} [{self.n}, {self.k}] with {m} rows")
         return out
@@ -145,8 +227,32 @@ class Q8Matrix:
         rows = _rows(x, self.k)
         m = rows.shape[0]
         out = torch.empty(m, self.n, dtype=torch.float32)
-        rc = self.lib.q8_linear(rows.data_ptr(), m, self.k, self.k, self.raw.data_ptr(), self.n, self.row_bytes,
-                                self.qtype, out.data_ptr(), self.n, self._threads(threads))
+        rc = self.lib.q8_linear(rows.data_ptr(), m, self.k, self.k, self.raw.data_ptr(), self._packed_ptr(), self.n,
+                                self.row_bytes, self.qtype, out.data_ptr(), self.n, self._threads(threads))
         if rc:
             raise RuntimeError(f"q8_linear rejected {self.name} [{self.n}, {self.k}] with {m} rows")
         return out.view(*lead, self.n)
+
+
+def linear_tensors(path: str, threads: int | None = None) -> list[tuple[str, Q8Matrix]]:
+    """Every 2-D weight of a GGUF file except the token embedding, as Q8Matrix over the file's memmap (Q4_K and
+    Q6_K through their cached repacked copies); a tied head (no output.weight) uses the embedding, as
+    gguf_blocks.linear_tensors does. UnsupportedBlockType names a weight q8 does not multiply."""
+    import gguf
+
+    reader = gguf.GGUFReader(path)
+    mats, embd = [], None
+    for t in reader.tensors:
+        if len(t.shape) != 2:
+            continue
+        k, n = int(t.shape[0]), int(t.shape[1])
+        if t.name == "token_embd.weight":
+            embd = t
+            continue
+        check_q8_type(int(t.tensor_type), t.name)
+        mats.append((t.name, Q8Matrix(t.data, int(t.tensor_type), n, k, threads)))
+    if embd is not None and not any(name == "output.weight" for name, _ in mats):
+        check_q8_type(int(embd.tensor_type), embd.name)
+        k, n = int(embd.shape[0]), int(embd.shape[1])
+        mats.append(("output.weight (tied)", Q8Matrix(embd.data, int(embd.tensor_type), n, k, threads)))
+    return mats
