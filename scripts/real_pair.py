@@ -28,8 +28,10 @@ class RealPair:
     engine: Any  # core.engine.engine.Engine
 
 
-def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine: bool = True) -> RealPair:
-    """The pair and the first `n` requests of `split` (all when None); torch on `threads` threads unless None."""
+def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine: bool = True,
+         numerics: str = "f32") -> RealPair:
+    """The pair and the first `n` requests of `split` (all when None); torch on `threads` threads unless None;
+    the engine's target in `numerics` (core/engine/numerics.py)."""
     import torch
 
     if threads is not None:
@@ -46,7 +48,7 @@ def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine
     tok = AutoTokenizer.from_pretrained(target)
     reqs = workload.split(workload.load(str(WORKLOAD)), split)[:n]
     return RealPair(paths["target"], paths["drafter"], tok, reqs, [workload.encode(tok, r) for r in reqs],
-                    Engine.load(target, drafter) if engine else None)
+                    Engine.load(target, drafter, numerics=numerics) if engine else None)
 
 
 def decode_seconds(result: Any) -> float:
