@@ -47,7 +47,8 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     prompts = [encode(tokenizer, r) for r in requests]
     limits = [max_new_tokens or r.max_new_tokens for r in requests]
-    engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
+                                 deployment.numerics)
     for recipe in recipes:
         if recipe.batching.policy != "fixed":
             engine.cost_table(recipe, batch_sizes)

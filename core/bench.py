@@ -112,7 +112,8 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     prompts = {r.id: encode(tokenizer, r) for r in requests}
     limits = {r.id: max_new_tokens or r.max_new_tokens for r in requests}
-    engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
+                                 deployment.numerics)
     runners: dict[str, Callable[[Request], tuple[list[int], float, list[int]]]] = {}
     notes: list[str] = []
     if hf and hf_systems:

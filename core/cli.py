@@ -22,6 +22,41 @@ def deployment_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"],
                    help="model dtype (default: bfloat16 on CUDA, float32 on a CPU: the exact reference there)")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: 1 on CPU)")
+    p.add_argument("--numerics", action=_NumericsOption, default=None, metavar="NAME")
+
+
+class _NumericsOption(argparse.Action):
+    """--numerics NAME; an unknown name is refused by Deployment (one line listing the known ones, exit 2), not
+    by argparse (usage plus an error). The help lists core/engine/numerics.NUMERICS, read only when help is
+    printed: that module imports torch, which parsing the command line should not."""
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        setattr(namespace, self.dest, values)
+
+    @property
+    def help(self) -> str:
+        from specpilot.core.engine.numerics import DEFAULT, NUMERICS
+
+        known = "; ".join(f"{name}: {what}" for name, what in NUMERICS.items())
+        return (f"the arithmetic of the deployment's plain decoding, which defines lossless (default: {DEFAULT}); "
+                f"{known}. A recipe never changes it")
+
+    @help.setter
+    def help(self, _value) -> None:
+        pass
+
+
+def _stored_numerics(dep: dict) -> str:
+    """A stored run's numerics (runs stored before numerics existed are f32)."""
+    return dep.get("numerics") or "f32"
+
+
+def _stored_description(dep: dict) -> str:
+    """A stored deployment the way Deployment.describe() says it, without loading anything."""
+    target = dep.get("target_source") or dep.get("target") or "?"
+    drafter = (dep.get("drafter_source") or dep.get("drafter")) if dep.get("drafter") else "none"
+    return (f"{Path(target).name} + {Path(drafter).name} on {dep.get('device', '?')} "
+            f"({dep.get('dtype', '?')}, numerics {_stored_numerics(dep)})")
 
 
 def loop_options(p: argparse.ArgumentParser) -> None:
@@ -273,14 +308,15 @@ def cmd_runs(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(runs, indent=2, default=str))
         return 0
-    print(f"{'run':>4}  {'status':<12}{'rounds':>7}{'best':>8}  started              deployment")
+    print(f"{'run':>4}  {'status':<12}{'rounds':>7}{'best':>8}  {'numerics':<9}started              deployment")
     for r in runs:
         best = f"{r['best_heldout_speedup']:.2f}x" if r.get("best_heldout_speedup") else "-"
         dep = r.get("deployment") or {}
         target = dep.get("target_source") or dep.get("target", "?")
         drafter = (dep.get("drafter_source") or dep.get("drafter")) if dep.get("drafter") else "none"
         name = f"{Path(target).name} + {Path(drafter).name}"
-        print(f"{r['id']:>4}  {r['status']:<12}{r['rounds']:>7}{best:>8}  {_when(r['started_at']):<20} {name}")
+        print(f"{r['id']:>4}  {r['status']:<12}{r['rounds']:>7}{best:>8}  {_stored_numerics(dep):<9}"
+              f"{_when(r['started_at']):<20} {name}")
     return 0
 
 
@@ -313,6 +349,8 @@ def cmd_show(args: argparse.Namespace) -> int:
         if inc:
             print(f"  incumbent {inc.get('heldout_speedup_vs_ar', 0):.2f}x vs AR, "
                   f"{inc.get('heldout_speedup_vs_stock', 0):.2f}x vs stock")
+    if run.get("deployment"):  # last: the first lines are the run and its rounds, which scripts read
+        print(f"deployment {_stored_description(run['deployment'])}")
     return 0
 
 
@@ -344,7 +382,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(f"wrote {args.recipe} (incumbent of run {run_id}, round {len(history)})", file=sys.stderr)
     if args.to or args.nearest:
         out = export(recipe, args.to or "transformers", deployment.target, deployment.drafter, history,
-                     deployment.target_source or None, deployment.drafter_source or None)
+                     deployment.target_source or None, deployment.drafter_source or None, deployment.numerics)
         if args.nearest:
             out.nearest.save(args.nearest)
             print(f"wrote {args.nearest} (the nearest recipe other engines express)", file=sys.stderr)
@@ -479,7 +517,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     deployment.apply_threads()
     recipe = resolve(args.recipe, deployment.drafter is not None)
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
-    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
+                         deployment.numerics)
     report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict, deployment)))
     if args.json:
         print(json.dumps(report, indent=2))
@@ -530,9 +569,14 @@ def cmd_verify(args: argparse.Namespace) -> int:
     deployment.apply_threads()
     recipe = resolve(args.recipe, deployment.drafter is not None)
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
-    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
+                         deployment.numerics)
+    if deployment.numerics != "f32" and args.reference_dtype is not None:
+        print(f"specpilot: note: --reference-dtype is ignored under numerics {deployment.numerics}: the reference is "
+              "the deployment's own plain decoding", file=sys.stderr)
     try:
-        result = compare(engine, recipe, prompts, limits, request_ids=ids, reference_dtype=args.reference_dtype)
+        result = compare(engine, recipe, prompts, limits, request_ids=ids,
+                         reference_dtype=args.reference_dtype or "float32")
     except ForcingError as exc:
         print(f"specpilot: error: {exc}", file=sys.stderr)
         return 2
@@ -544,6 +588,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
               f"(near-ties {s['near_ties']})")
         print(f"{recipe.name:<9} {r['mismatches']:>5}/{r['tokens']:<6} {100 * result['rate']:6.2f}%  "
               f"(near-ties {r['near_ties']}, truncated {r['truncated']}, padded {r['padded']})")
+        print(f"reference {result['reference']}")
         print(f"threshold {100 * result['threshold']:.2f}%: {'PASS' if result['passed'] else 'FAIL'}")
     return 0 if result["passed"] else 1
 
@@ -555,7 +600,9 @@ def add_verify(sub) -> None:
     p.add_argument("--split", default="tuning", choices=["tuning", "heldout", "all"])
     p.add_argument("--max-requests", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=None)
-    p.add_argument("--reference-dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--reference-dtype", default=None, choices=["float32", "bfloat16", "float16"],
+                   help="dtype of the transformers reference under numerics f32 (default: float32); under any other "
+                        "numerics the reference is the deployment's own plain decoding and the threshold 0")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_verify)
 

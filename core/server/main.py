@@ -59,7 +59,8 @@ def build(args: argparse.Namespace):
     deployment = Deployment.from_args(args).validate()
     deployment.apply_threads()
     recipe, speculative = resolve_recipe(args.recipe, deployment, args.db)
-    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device)
+    engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
+                         deployment.numerics)
     target = engine.target if recipe is None else engine.models_for(recipe)[0]
     ctx = target.cfg.max_position_embeddings
     context = min(args.max_model_len or min(ctx, 4096), ctx)
@@ -85,7 +86,8 @@ def build(args: argparse.Namespace):
     label = ("ar" if recipe is None else f"ar+{recipe.name}") if not speculative else recipe.name
     state = ServerState(loop, tokenizer, (name,), context, default, set(target.cfg.eos_token_ids),
                         target.cfg.vocab_size, metrics, args.api_key,
-                        info={"recipe": label, "deployment": deployment.describe()})
+                        info={"recipe": label, "deployment": deployment.describe(),
+                              "numerics": deployment.numerics})
     return build_app(state), state, label, deployment
 
 
@@ -99,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
     server = DrainingServer(config, state, args.grace)
     log.info("serving %s with recipe %s on http://%s:%d (max batch %d, queue %d)", deployment.describe(), label,
              args.host, args.port, args.max_batch, args.max_queue)
-    print(f"specpilot serve: ready on http://{args.host}:{args.port}/v1 ({label})", file=sys.stderr, flush=True)
+    print(f"specpilot serve: ready on http://{args.host}:{args.port}/v1 ({label}, numerics {deployment.numerics})",
+          file=sys.stderr, flush=True)
     server.run()
     state.engine.stop()
     log.info("stopped")
