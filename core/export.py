@@ -10,6 +10,10 @@ Flags target vLLM 0.11 (`--speculative-config`), SGLang 0.5 (`--speculative-*`),
 commit 0c1e570 (`-md`, `--spec-draft-n-max`, `--spec-draft-n-min`, `--draft-p-min`, `--spec-type ngram-simple`;
 builds before the `--spec-*` rename spell the first two `--draft-max`, `--draft-min`) and transformers 5
 (`generate` kwargs).
+
+The printed configuration states the deployment's numerics. None of these engines reproduces q8 as we run it:
+vLLM and SGLang serve bf16/f16, transformers floats, and llama.cpp's own q8-like arithmetic is not
+batch-invariant; each says so in one "not expressible" line.
 """
 
 from __future__ import annotations
@@ -19,9 +23,24 @@ import shlex
 from dataclasses import dataclass, field
 from typing import Any
 
+from specpilot.core.engine.numerics import NUMERICS, check
 from specpilot.core.recipe import Recipe, changed_fields, stock
 
 ENGINES = ("vllm", "sglang", "llama.cpp", "transformers")
+# what each engine does under numerics other than f32: one "not expressible" line
+NUMERICS_GIVEN_UP = {
+    "q8": {
+        "vllm": "numerics q8: vLLM serves bf16/f16 (a GGUF dequantised), not q8's 8-bit activations and integer "
+                "products, so its output is not our q8 plain decoding",
+        "sglang": "numerics q8: SGLang serves bf16/f16 (a GGUF dequantised), not q8's 8-bit activations and "
+                  "integer products, so its output is not our q8 plain decoding",
+        "llama.cpp": "bit-identical speculation under numerics q8: llama.cpp's own arithmetic is q8-like (8-bit "
+                     "activations) but not batch-invariant, so its speculative output is not guaranteed identical "
+                     "to its plain decoding",
+        "transformers": "numerics q8: transformers computes in float on the dequantised GGUF, not q8's 8-bit "
+                        "activations and integer products, so its output is not our q8 plain decoding",
+    },
+}
 VERSIONS = {"vllm": "vLLM 0.11+", "sglang": "SGLang 0.5+", "llama.cpp": "llama.cpp llama-server, commit 0c1e570",
             "transformers": "transformers 5.x"}
 
@@ -37,10 +56,12 @@ class Export:
     kwargs: dict[str, Any] = field(default_factory=dict)
     dropped: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    numerics: str = "f32"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"engine": self.engine, "version": self.version, "argv": self.argv, "kwargs": self.kwargs,
-                "dropped": self.dropped, "notes": self.notes, "nearest_recipe": self.nearest.to_dict()}
+        return {"engine": self.engine, "version": self.version, "numerics": self.numerics, "argv": self.argv,
+                "kwargs": self.kwargs, "dropped": self.dropped, "notes": self.notes,
+                "nearest_recipe": self.nearest.to_dict()}
 
     def text(self) -> str:
         lines = [f"# {self.version}"]
@@ -50,6 +71,7 @@ class Export:
             shown = {k: (f"AutoModelForCausalLM.from_pretrained({v!r})" if k == "assistant_model" else repr(v))
                      for k, v in self.kwargs.items()}
             lines.append("model.generate(**inputs, " + ", ".join(f"{k}={v}" for k, v in shown.items()) + ")")
+        lines.append(f"# deployment numerics: {self.numerics} ({NUMERICS[self.numerics]})")
         lines += [f"# not expressible: {d}" for d in self.dropped] + [f"# note: {n}" for n in self.notes]
         return "\n".join(lines)
 
@@ -112,11 +134,13 @@ def measured_ratio(near: Recipe, history: list[dict], has_drafter: bool) -> str 
 
 
 def export(recipe: Recipe, engine: str, target: str, drafter: str | None, history: list[dict] | None = None,
-           target_gguf: str | None = None, drafter_gguf: str | None = None) -> Export:
+           target_gguf: str | None = None, drafter_gguf: str | None = None, numerics: str = "f32") -> Export:
     """`engine`'s configuration nearest to `recipe` on this deployment (checkpoint directories, and the GGUF
-    files llama.cpp reads when the deployment came from them)."""
+    files llama.cpp reads when the deployment came from them), stating the deployment's numerics and, when the
+    engine cannot compute them, what that gives up."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; export to one of {', '.join(ENGINES)}")
+    check(numerics)
     near, dropped = nearest(recipe, drafter is not None)
     if dropped:
         ratio = measured_ratio(near, history or [], drafter is not None)
@@ -126,7 +150,8 @@ def export(recipe: Recipe, engine: str, target: str, drafter: str | None, histor
     d, t = near.draft, near.tree
     ngram = d.method == "ngram"
     k = t.depth
-    out = Export(engine, VERSIONS[engine], near, dropped=dropped)
+    dropped += [NUMERICS_GIVEN_UP[numerics][engine]] if numerics in NUMERICS_GIVEN_UP else []
+    out = Export(engine, VERSIONS[engine], near, dropped=dropped, numerics=numerics)
     if engine == "vllm":
         spec = ({"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": d.ngram_max,
                  "prompt_lookup_min": 1} if ngram else
