@@ -14,7 +14,10 @@ SEVERITY_MARK = {"information": "•", "warning": "!", "error": "✗"}
 
 
 class StatusHeader(Static):
-    """SpecPilot │ target → drafter │ round N │ state │ best X.XXx over AR."""
+    """SpecPilot │ target → drafter · numerics │ round N │ state │ best X.XXx over AR.
+
+    The deployment's numerics (a run stored before numerics existed is f32) is always shown when the header is
+    wide; on a narrow one only when it is not the default f32, so the best speedup keeps its room."""
 
     COMPONENT_CLASSES = {"header--title", "header--dim", "header--state", "header--alert", "header--best"}
 
@@ -36,10 +39,14 @@ class StatusHeader(Static):
         dep = s.deployment
         deployment = model_names(dep) if dep else "no run"
         alert = s.loop_state in ("paused", "failed", "awaiting_approval")
+        wide = self.size.width >= 100 or not self.size.width
         parts: list[tuple[str, object]] = [(" ", "")]
-        if self.size.width >= 100 or not self.size.width:
+        if wide:
             parts += [("SpecPilot", style("header--title")), sep]
         parts.append((deployment, ""))
+        numerics = (dep.get("numerics") or "f32") if dep else None
+        if numerics and (wide or numerics != "f32"):
+            parts.append((f" · {numerics}", ""))
         if s.run is not None:
             parts += [sep, (f"run {s.run}", "")]
         parts += [sep, (f"round {s.round}" if s.round is not None else "round —", ""), sep,
