@@ -387,6 +387,7 @@ long q8_read(const uint8_t *p, long bytes) {
 #define dot_q6_k SFX(dot_q6_k)
 #define dot_b32 SFX(dot_b32)
 #define vload SFX(vload)
+#define vreg SFX(vreg)
 #define hdr_q4_k SFX(hdr_q4_k)
 #define rp_q4_k SFX(rp_q4_k)
 #define rp_q6_k SFX(rp_q6_k)
@@ -557,6 +558,13 @@ INL vi vload(const char *p) {
 }
 /* transposed vector i of a buffer or repacked chunk (vectors 64 bytes apart) */
 #define VEC(p, i) vload((p) + 64 * (i))
+/* the same, loaded once into a register: GCC would otherwise fold the load into each of its uses, and the dots
+ * are bound by loads as much as by multiply-adds */
+INL vu vreg(const char *p, int i) {
+    vu v = (vu)VEC(p, i);
+    __asm__("" : "+v"(v));
+    return v;
+}
 
 /* Q4_K (144 bytes): f16 d, f16 dmin, 12 bytes of 6-bit scales and mins for 8 sub-blocks of 32, then 128 bytes
  * of nibbles (bytes 32c..32c+31: values 64c.. in the low nibbles, 64c+32.. in the high), so nibble vector 8c + g
@@ -618,11 +626,10 @@ INL void rp_q6_k(const char *p, const char *d, scratch_t *s) {
     s->nib = p, s->qh = p + 64 * 32;
 }
 
-/* Q6_K's codes of values 128h + 32s + 4g .. + 3 (g < 8): the ql nibble dwords 16h + 8(s & 1) + g, nibble
- * s >> 1, and bits 2s, 2s + 1 of the high-bit dwords 8h + g */
-INL vi q6_code(const scratch_t *s, int h, int g, const int sb) {
-    vu ql = (vu)VEC(s->nib, 16 * h + 8 * (sb & 1) + g), qh = (vu)VEC(s->qh, 8 * h + g);
-    vu lo = sb < 2 ? ql & NIB : (ql >> 4) & NIB, hb = qh & (0x03030303u << 2 * sb);
+/* Q6_K's codes of values 128h + 32s + 4g .. + 3 (g < 8): from ql[s & 1], the nibble dwords 16h + 8(s & 1) + g,
+ * nibble s >> 1, and bits 2s, 2s + 1 of qh, the high-bit dwords 8h + g */
+INL vi q6_code(const vu *ql, vu qh, const int sb) {
+    vu lo = sb < 2 ? ql[sb & 1] & NIB : (ql[sb & 1] >> 4) & NIB, hb = qh & (0x03030303u << 2 * sb);
     return (vi)(lo | (sb < 2 ? hb << (4 - 2 * sb) : hb >> (2 * sb - 4)));
 }
 
@@ -685,7 +692,7 @@ INL void dot_q4_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int 
         vi acc[GROUP][8];
         UNROLL for (int r = 0; r < G; r++) UNROLL for (int j = 0; j < 2 * SP; j++) acc[r][j] = (vi){0};
         UNROLL for (int g = 0; g < 8; g++) UNROLL for (int p = 0; p < SP; p++) {
-            vu raw = (vu)VEC(s->nib, 8 * (p0 + p) + g);
+            vu raw = vreg(s->nib, 8 * (p0 + p) + g);
             vi lo = (vi)(raw & NIB), hi = (vi)((raw >> 4) & NIB);
             UNROLL for (int r = 0; r < G; r++) {
                 const int8_t *xp = xq[r] + 64 * (p0 + p) + 4 * g;
@@ -708,7 +715,7 @@ INL void dot_q4_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int 
  * u = 2h + half is the 4 sub-blocks 8h + 2s + half (s < 4) whose codes share the stored dwords of value groups
  * g = 4 half .. 4 half + 3; SU units are in flight, SS of their sub-blocks at a time (registers). */
 INL void dot_q6_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int G) {
-    const int SU = G == 1 ? 2 : 1, SS = G <= 4 ? 4 : 2;
+    const int SU = G == 1 ? 2 : 1, SS = G <= 5 ? 4 : 2;
     const int8_t *xq[GROUP];
     vi isum[GROUP];
     UNROLL for (int r = 0; r < G; r++) xq[r] = x[r].q + QA * c, isum[r] = (vi){0};
@@ -721,7 +728,8 @@ INL void dot_q6_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int 
             acc[r][i] = (vi){0} + x[r].aux[16 * c + sb[i]];
         UNROLL for (int gg = 0; gg < 4; gg++) UNROLL for (int uu = 0; uu < SU; uu++) UNROLL for (int ss = 0; ss < SS; ss++) {
             const int h = (u0 + uu) / 2, g = 4 * ((u0 + uu) % 2) + gg;
-            vi code = q6_code(s, h, g, s0 + ss);
+            const vu ql[2] = {vreg(s->nib, 16 * h + g), vreg(s->nib, 16 * h + 8 + g)};
+            vi code = q6_code(ql, vreg(s->qh, 8 * h + g), s0 + ss);
             UNROLL for (int r = 0; r < G; r++)
                 acc[r][SS * uu + ss] = dot4(acc[r][SS * uu + ss], code, xq[r] + 128 * h + 32 * (s0 + ss) + 4 * g);
         }
@@ -917,6 +925,7 @@ static void SFX(run_tiles)(const job_t *j) {
 #undef dot_q6_k
 #undef dot_b32
 #undef vload
+#undef vreg
 #undef hdr_q4_k
 #undef rp_q4_k
 #undef rp_q6_k
