@@ -6,14 +6,18 @@
  * codes makes the arithmetic as cheap as the read, and the integers are exact, so a row's result never depends
  * on how many rows share a call, how they are grouped or how the output rows are split over threads.
  *
- * Layout of the work, as ik_llama.cpp's few-row kernels: a thread owns a range of tiles of 16 weight rows. For
- * each chunk of 256 values along K (a Q4_K/Q6_K superblock, or eight 32-blocks) the tile's 16 blocks are
- * unpacked ONCE into an L1 scratch, transposed so that one 512-bit vector holds 4 consecutive codes of each of
- * the 16 rows (an int32 lane per weight row). Then every activation row, 8 at a time, runs the same sequence:
- * one dpbusd per 4 values takes the row's 4 activations broadcast against the 16 rows' codes, so the integer
- * sum of each weight row's sub-block builds up in its own lane, with no horizontal sums at all; the sub-block
- * scales multiply lane-wise (int32) and the float combination runs on 16 weight rows at once, each lane doing
- * exactly the scalar operations of the oracle. Up to 16 activation rows share a pass; more take further passes.
+ * Layout of the work, as ik_llama.cpp's few-row kernels: a thread owns a range of tiles of 16 weight rows (8 on
+ * the AVX2 path). For each chunk of 256 values along K (a Q4_K/Q6_K superblock, or eight 32-blocks) the tile's
+ * blocks are unpacked ONCE, transposed so that one vector holds 4 consecutive codes of each row (an int32 lane
+ * per weight row): Q4_K and Q6_K from a repacked copy stored that way (q8_repack, below), the other formats
+ * transposed into an L1 scratch. Then every activation row, up to 8 at a time, runs the same sequence: one
+ * dpbusd per 4 values takes the row's 4 activations broadcast against the tile's codes, so the integer sum of
+ * each weight row's sub-block builds up in its own lane, with no horizontal sums at all; the sub-block scales
+ * multiply lane-wise (int32) and the float combination runs on the tile's rows at once, each lane doing exactly
+ * the scalar operations of the oracle. Up to 16 activation rows share a pass; more take further passes.
+ * Measured on a Zen 5 core: vpdpbusd, vpmulld, vpdpwssd and vmulps share two pipes, so an activation row costs
+ * about 40 cycles per 16 x 256 chunk (64 vpdpbusd, 8 vpmulld, ...): a 1-row pass reads at memory speed, and
+ * more rows add compute.
  *
  * Two instruction sets give the same bits (the integers are exact and the float steps are the same IEEE
  * operations lane by lane): AVX-512 VNNI (vpdpbusd) where the CPU has it, chosen at run time, and AVX2
@@ -44,7 +48,8 @@ enum { Q8_FORMATS(X_ENUM) T_LIMIT = 15 };
 #define QA 256           /* activation values per scale; also the K chunk a tile decodes at a time */
 #define KG (QA / 4)      /* 4-value groups in a chunk */
 #define PASS 16          /* activation rows per pass over the weights */
-#define PREFETCH_AHEAD 8 /* chunks ahead of the decoder that the prefetcher asks for (2: 44 ms a 1-row pass, 8: 40) */
+#define PREFETCH_AHEAD 8 /* chunks ahead of the decoder that are prefetched: the hardware prefetchers alone
+                          * halve a 1-row pass's bandwidth here, even on the repacked copy's single stream */
 #define MIN_WORK_PER_THREAD (1L << 20) /* weights x rows worth waking a thread for */
 
 typedef struct {
@@ -116,6 +121,13 @@ static float signed_max(const float *x, long len) {
     return 0.0f;
 }
 
+/* min(127, nearest_even(iscale * x)) of 8 values: the product rounded to float first, as q8_ref does */
+static inline __m256i quantize8(__m256 iscale, const float *x) {
+    __m256 v = _mm256_mul_ps(iscale, _mm256_loadu_ps(x));
+    v = _mm256_round_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    return _mm256_cvtps_epi32(_mm256_min_ps(v, _mm256_set1_ps(127.0f)));
+}
+
 /* One activation block of len values (a multiple of 32): q = min(127, nearest_even(iscale * x)) with
  * iscale = -127 / max, d = 1 / iscale; all zero when max is 0. bs gets the sums of each 16 q. */
 static void quantize_block(const float *x, long len, int8_t *q, float *d, int32_t *bs) {
@@ -127,15 +139,10 @@ static void quantize_block(const float *x, long len, int8_t *q, float *d, int32_
         return;
     }
     float iscale = -127.0f / mx;
-    const __m256 is = _mm256_set1_ps(iscale), top = _mm256_set1_ps(127.0f);
+    const __m256 is = _mm256_set1_ps(iscale);
     const __m256i ones = _mm256_set1_epi16(1);
     for (long i = 0; i < len; i += 16) {
-        __m256i a = _mm256_cvtps_epi32(_mm256_min_ps(
-            _mm256_round_ps(_mm256_mul_ps(is, _mm256_loadu_ps(x + i)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-            top));
-        __m256i b = _mm256_cvtps_epi32(_mm256_min_ps(
-            _mm256_round_ps(_mm256_mul_ps(is, _mm256_loadu_ps(x + i + 8)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC),
-            top));
+        __m256i a = quantize8(is, x + i), b = quantize8(is, x + i + 8);
         __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xd8); /* 16 int16 in order */
         _mm_storeu_si128((__m128i *)(q + i),
                          _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1)));
@@ -184,8 +191,9 @@ static void act_table(int qtype, const int32_t *bs, long k, int32_t *aux) {
  * Each chunk of 16 rows (a superblock of each) is stored as its dwords transposed, dword w of the 16 rows in
  * bytes 64w..64w+63 (row r at 4r), a Q6_K chunk's last 2 bytes (d) as 16 float16 after them, padded to whole
  * cache lines; the chunks of a tile follow each other, then the next tile's. The same bytes as the blocks, but
- * a product reads them in one stream as the vectors it multiplies, with no transposing (a 1-row pass of the
- * 1.5B: 42 -> see q8_blocks.py). Rows past the last whole tile of 16 stay in the blocks as stored. */
+ * a product reads them in one stream as the vectors it multiplies, with no transposing and no 16 row streams
+ * to prefetch (a 1-row pass over the 1.5B's linears, one Zen 5 core: 42 -> 30 ms, the read floor 25). Rows past
+ * the last whole tile of 16 stay in the blocks as stored. */
 
 /* Bytes of one repacked chunk of `qtype`, 0 if it has no repacked layout. */
 static long rp_chunk(int qtype) {
@@ -431,8 +439,8 @@ INL void tr16(const uint8_t *const *rows, long a, long b, char *out) {
     __m512i r[16], t[16];
     for (int i = 0; i < 16; i++)
         r[i] = b == a + 32 ? _mm512_loadu_si512(rows[i] + a)
-                           : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(rows[i] + a))),
-                                                _mm256_loadu_si256((const __m256i *)(rows[i] + b)), 1);
+                           : _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const void *)(rows[i] + a))),
+                                                _mm256_loadu_si256((const void *)(rows[i] + b)), 1);
     for (int i = 0; i < 8; i++) {
         t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
         t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
@@ -726,7 +734,8 @@ INL void dot_q6_k(const scratch_t *s, const xrow_t *x, long c, vf *y, const int 
             sb[SS * uu + ss] = 8 * ((u0 + uu) / 2) + 2 * (s0 + ss) + (u0 + uu) % 2;
         UNROLL for (int r = 0; r < G; r++) UNROLL for (int i = 0; i < SU * SS; i++)
             acc[r][i] = (vi){0} + x[r].aux[16 * c + sb[i]];
-        UNROLL for (int gg = 0; gg < 4; gg++) UNROLL for (int uu = 0; uu < SU; uu++) UNROLL for (int ss = 0; ss < SS; ss++) {
+        UNROLL for (int gg = 0; gg < 4; gg++) UNROLL for (int uu = 0; uu < SU; uu++)
+            UNROLL for (int ss = 0; ss < SS; ss++) {
             const int h = (u0 + uu) / 2, g = 4 * ((u0 + uu) % 2) + gg;
             const vu ql[2] = {vreg(s->nib, 16 * h + g), vreg(s->nib, 16 * h + 8 + g)};
             vi code = q6_code(ql, vreg(s->qh, 8 * h + g), s0 + ss);

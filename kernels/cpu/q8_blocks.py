@@ -36,8 +36,8 @@ SOURCE = Path(__file__).with_name("q8_blocks.c")
 FLAGS = ("-O3", "-mavx2", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
 REPACK_LAYOUT = 1  # bump when q8_repack's layout changes: cached copies of another layout are not read
 
-__all__ = ["Q8Matrix", "UnsupportedBlockType", "available", "block_traits", "isa", "library", "linear_tensors", "quantize",
-           "read", "repacked"]
+__all__ = ["Q8Matrix", "UnsupportedBlockType", "available", "block_traits", "isa", "library", "linear_tensors",
+           "quantize", "read", "repacked"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -110,7 +110,7 @@ def _source(raw: np.ndarray | torch.Tensor) -> tuple[str, int] | None:
     """(file, byte offset) of blocks that are a view of a file's np.memmap (as gguf-py's tensors are), else None."""
     mm = getattr(raw, "_mmap", None)
     name = getattr(raw, "filename", None)
-    if not isinstance(raw, np.memmap) or mm is None or not name:
+    if not isinstance(raw, np.memmap) or mm is None or not name or not raw.flags.c_contiguous:
         return None
     start = raw.offset - raw.offset % mmap.ALLOCATIONGRANULARITY  # the file offset the mapping starts at
     return str(name), start + raw.ctypes.data - np.frombuffer(mm, np.uint8).ctypes.data
@@ -123,23 +123,28 @@ def _repack_into(raw: torch.Tensor, qtype: int, n: int, k: int, out: np.ndarray 
 
 
 def repacked(raw: torch.Tensor, qtype: int, n: int, k: int, source: tuple[str, int] | None) -> torch.Tensor | None:
-    """The repacked layout of blocks raw [n, row_bytes], or None where the format has none. From a file
-    (`source`: path, offset) it is the cached copy for that file's identity (path, size, mtime, inode, offset,
-    shape, layout), written on first use and mapped read-only; otherwise a private copy."""
+    """The repacked layout of blocks raw [n, row_bytes], or None where the format has none: for blocks of a file
+    (`source`: path, offset) the shared cached copy, else a private one."""
     size = library().q8_repack_bytes(qtype, n, k)
     if not size:
         return None
-    if source is None:
-        out = torch.empty(size, dtype=torch.uint8)
-        _repack_into(raw, qtype, n, k, out)
-        return out
-    path, offset = source
+    if source is not None:
+        return _cached_copy(raw, qtype, n, k, size, *source)
+    out = torch.empty(size, dtype=torch.uint8)
+    _repack_into(raw, qtype, n, k, out)
+    return out
+
+
+def _cached_copy(raw: torch.Tensor, qtype: int, n: int, k: int, size: int, path: str, offset: int) -> torch.Tensor:
+    """The repacked copy for the file's identity (path, size, mtime, inode, offset, shape, layout) in the cache,
+    written on first use (each writer to its own temporary file, renamed into place) and mapped read-only."""
     st = os.stat(path)
-    key = f"{os.path.realpath(path)}|{st.st_size}|{st.st_mtime_ns}|{st.st_ino}|{offset}|{qtype}|{n}|{k}|{REPACK_LAYOUT}"
+    key = "|".join(map(str, (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, offset, qtype, n, k,
+                             REPACK_LAYOUT)))
     target = cache_dir() / "q8" / f"{Path(path).stem}-{hashlib.sha256(key.encode()).hexdigest()[:20]}.q8rp"
     if not (target.exists() and target.stat().st_size == size):
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".q8rp", dir=target.parent)  # concurrent writers: each its own, renamed
+        fd, tmp = tempfile.mkstemp(suffix=".q8rp", dir=target.parent)
         os.close(fd)
         try:
             out = np.memmap(tmp, dtype=np.uint8, mode="w+", shape=(size,))
