@@ -13,6 +13,7 @@ process shares them through the page cache. Norms, biases and the embedding look
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Callable
 
 import numpy as np
 import torch
@@ -38,15 +39,22 @@ def gguf_transformer(model: Transformer, path: str) -> Transformer:
     if model.dtype != torch.float32:
         raise ModelLoadError("weights.format = 'gguf' computes in float32, the dtype its weights are exact in; "
                              "use --dtype float32")
+    return on_blocks(model, path, GGUFMatrix, _stacked)
+
+
+def on_blocks(model: Transformer, path: str, matrix_type: type, stacked: Callable) -> Transformer:
+    """A copy of `model` whose projections and LM head are `matrix_type(raw, qtype, n, k)` over the GGUF file's
+    tensors; q/k/v and gate/up are joined by `stacked(parts, column_orders, bias)`. Shared by the gguf weight
+    format (float32 activations) and the q8 numerics (core/engine/numerics.py)."""
     tensors = {t.name: t for t in gguf_checkpoint.reader(path).tensors}
     cfg = model.cfg
     permuted = cfg.family == "llama"
 
-    def matrix(name: str) -> GGUFMatrix:
+    def matrix(name: str):
         if name not in tensors:
             raise ModelLoadError(f"{path} has no tensor {name}; it is not the file this checkpoint came from")
         t = tensors[name]
-        return GGUFMatrix(t.data, int(t.tensor_type), int(t.shape[1]), int(t.shape[0]))
+        return matrix_type(t.data, int(t.tensor_type), int(t.shape[1]), int(t.shape[0]))
 
     def order(rows: int, heads: int) -> torch.Tensor | None:
         """Output columns in Hugging Face order: llama.cpp stores llama's q/k rows rotary-permuted."""
@@ -63,8 +71,8 @@ def gguf_transformer(model: Transformer, path: str) -> Transformer:
                                                       "ffn_down.weight"))
         stored += sum(m.nbytes for m in (q, k, v, o, gate, up, down))
         perms = (order(q.n, cfg.num_heads), order(k.n, cfg.num_kv_heads), None)
-        layers.append(replace(layer, qkv=_stacked([q, k, v], perms, layer.raw.get("qkv_bias")), o=o,
-                              gate_up=_stacked([gate, up]), down=down))
+        layers.append(replace(layer, qkv=stacked([q, k, v], perms, layer.raw.get("qkv_bias")), o=o,
+                              gate_up=stacked([gate, up]), down=down))
     head = matrix("output.weight") if "output.weight" in tensors else matrix("token_embd.weight")
     stored += head.nbytes
     copy = object.__new__(Transformer)

@@ -16,13 +16,11 @@ weight formats and linear backends that would). The drafter is free: it only pro
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-import numpy as np
 import torch
 
 from specpilot.core.engine import gguf_checkpoint
 from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.gguf_format import on_blocks
 from specpilot.core.engine.model import Linear, Transformer
 
 NUMERICS = {
@@ -95,41 +93,8 @@ def q8_transformer(model: Transformer, path: str) -> Transformer:
         attention.library()
     except KernelUnavailable as exc:
         raise NumericsError(f"numerics q8 cannot run here: {exc}; use --numerics f32") from None
-    cfg = model.cfg
-
-    def matrix(name: str) -> Q8Matrix:
-        if name not in tensors:
-            raise ModelLoadError(f"{path} has no tensor {name}; it is not the file this checkpoint came from")
-        t = tensors[name]
-        return Q8Matrix(t.data, int(t.tensor_type), int(t.shape[1]), int(t.shape[0]))
-
-    def order(rows: int, heads: int) -> torch.Tensor | None:
-        """Output columns in Hugging Face order: llama.cpp stores llama's q/k rows rotary-permuted."""
-        if cfg.family != "llama":
-            return None
-        return torch.from_numpy(gguf_checkpoint._unpermute(np.arange(rows)[:, None], heads)[:, 0].copy())
-
-    stored = 0
-    layers = []
-    for i, layer in enumerate(model.layers):
-        p = f"blk.{i}."
-        q, k, v = (matrix(p + f"attn_{n}.weight") for n in "qkv")
-        o, gate, up, down = (matrix(p + n) for n in ("attn_output.weight", "ffn_gate.weight", "ffn_up.weight",
-                                                      "ffn_down.weight"))
-        stored += sum(m.nbytes for m in (q, k, v, o, gate, up, down))
-        perms = (order(q.n, cfg.num_heads), order(k.n, cfg.num_kv_heads), None)
-        layers.append(replace(layer, qkv=_shared_input([q, k, v], perms, layer.raw.get("qkv_bias")), o=o,
-                              gate_up=_shared_input([gate, up]), down=down))
-    head = matrix("output.weight") if "output.weight" in tensors else matrix("token_embd.weight")
-    stored += head.nbytes
-    copy = object.__new__(Transformer)
-    copy.__dict__.update(model.__dict__)
-    copy.layers = layers
-    copy.lm_head = head
-    copy.weight_format = "gguf"
+    copy = on_blocks(model, path, Q8Matrix, _shared_input)
     copy.numerics = "q8"
-    copy.matrix_bits = None
-    copy.matrix_bytes = stored
     copy.attention = _attend
     copy.silu_mul = attention.silu_mul
     return copy
