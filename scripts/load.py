@@ -43,7 +43,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
     start = time.perf_counter()
-    first, text, tokens, chunks = None, [], None, 0
+    first, text, tokens, chunks, timings = None, [], None, 0, None
     stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
                                                   max_tokens=max_tokens, temperature=0, stream=True,
                                                   stream_options={"include_usage": True})
@@ -55,11 +55,12 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
             chunks += 1
         if getattr(ch, "usage", None):
             tokens = ch.usage.completion_tokens
+        timings = (getattr(ch, "model_extra", None) or {}).get("timings", timings)  # llama-server's own report
     end = time.perf_counter()
     tokens = tokens if tokens is not None else chunks
     first = first or end
     return {"text": "".join(text), "tokens": tokens, "ttft": first - start,
-            "itl": (end - first) / max(tokens - 1, 1), "end": end}
+            "itl": (end - first) / max(tokens - 1, 1), "end": end, "timings": timings}
 
 
 async def level(url: str, model: str, reqs: list, concurrency: int, max_tokens: int, time_limit: float) -> dict:
@@ -82,7 +83,16 @@ async def level(url: str, model: str, reqs: list, concurrency: int, max_tokens: 
             "output_tok_per_s": sum(r["tokens"] for r in done) / wall,
             "ttft_p50": pct([r["ttft"] for r in done], 0.5), "ttft_p99": pct([r["ttft"] for r in done], 0.99),
             "itl_p50": pct([r["itl"] for r in done], 0.5), "itl_p99": pct([r["itl"] for r in done], 0.99),
+            "decode_tok_per_s": decode_rate([r["timings"] for r in done]),
             "texts": {str(reqs[i].id): r["text"] for i, r in results.items()}}
+
+
+def decode_rate(timings: list) -> float | None:
+    """Tokens per second of decoding alone, prompt excluded, from a server's own per-request timings
+    (llama-server reports predicted_n and predicted_ms); None when the server reports none."""
+    if not timings or any(t is None for t in timings):
+        return None
+    return sum(t["predicted_n"] for t in timings) / (sum(t["predicted_ms"] for t in timings) / 1e3)
 
 
 def make_reference(target_dir: str, n: int, max_tokens: int, path: str) -> None:
@@ -151,6 +161,7 @@ def main() -> int:
             print(f"{args.name} c={c}: {res['requests']} req, {res['output_tok_per_s']:.2f} tok/s, "
                   f"{res['requests_per_s']:.3f} req/s, TTFT p50 {res['ttft_p50']:.2f} s p99 {res['ttft_p99']:.2f} s, "
                   f"ITL p50 {res['itl_p50'] * 1e3:.0f} ms p99 {res['itl_p99'] * 1e3:.0f} ms"
+                  + (f", decoding alone {res['decode_tok_per_s']:.2f} tok/s" if res["decode_tok_per_s"] else "")
                   + (f", {res['mismatches']} mismatched" if "mismatches" in res else ""), flush=True)
             if args.json:
                 with open(args.json, "a") as f:
