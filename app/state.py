@@ -12,6 +12,7 @@ from pathlib import PurePath
 from typing import Any, Callable
 
 from specpilot.core import events as ev
+from specpilot.core.costmodel.drift import describe as describe_drift
 from specpilot.core.events import GATES, Event
 
 PANELS = ("header", "gaps", "candidates", "stream", "forcing", "speedup", "status")
@@ -26,6 +27,7 @@ class GapView:
     ceiling_tokens_per_s: float
     gaps: list[tuple[str, float]]
     largest: str
+    drift: str = ""  # a q8 deployment's drift from transformers float32, one line (core/costmodel/drift.py)
 
 
 @dataclass
@@ -274,7 +276,8 @@ class DashboardState:
     def _on_gaps(self, e: ev.Gaps) -> set[str]:
         gaps = [(str(g["component"]), float(g["ms_per_token"])) for g in e.gaps]
         largest = e.largest_gap or (max(gaps, key=lambda g: g[1])[0] if gaps else "")
-        self.gaps = GapView(e.round, e.measured_tokens_per_s, e.ceiling_tokens_per_s, gaps, largest)
+        drift = describe_drift(e.drift, short=True) if e.drift else ""
+        self.gaps = GapView(e.round, e.measured_tokens_per_s, e.ceiling_tokens_per_s, gaps, largest, drift)
         return {"gaps"}
 
     def _on_agent_started(self, e: ev.AgentStarted) -> set[str]:

@@ -519,7 +519,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
                          deployment.numerics)
-    report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict, deployment)))
+    report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict, deployment)),
+                     drift=True)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
@@ -544,6 +545,10 @@ def cmd_profile(args: argparse.Namespace) -> int:
         note = f"  ({'; '.join(pred['approximations'])})" if pred["approximations"] else ""
         print(f"predicted {pred['recipe']}: {pred['predicted_tokens_per_s']:.1f} tok/s, "
               f"accepted/step {pred['mean_accepted_length']:.2f}{note}")
+    if report["drift"] is not None:  # under f32 there is none: f32 is the reference
+        from specpilot.core.costmodel.drift import describe
+
+        print(describe(report["drift"], deployment.numerics))
     return 0
 
 

@@ -120,7 +120,9 @@ class Progress(EventBody):
 
 @dataclass(frozen=True)
 class Gaps(EventBody):
-    """The cost model's gap breakdown: gaps is [{component, ms_per_token}]."""
+    """The cost model's gap breakdown: gaps is [{component, ms_per_token}]; drift, under numerics other than
+    f32, how far the deployment's greedy plain decoding is from transformers float32 (core/costmodel/drift.py,
+    Drift.to_dict()), None under f32."""
 
     KIND: ClassVar[str] = "gaps"
     round: int | None = None
@@ -128,6 +130,7 @@ class Gaps(EventBody):
     ceiling_tokens_per_s: float = 0.0
     gaps: list = field(default_factory=list)
     largest_gap: str = ""
+    drift: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ class RunContext:
     heldout: list[JudgeRequest]
     ar_tokens_per_s: float = 0.0
     tuning_summary: dict = field(default_factory=dict)
+    drift: dict | None = None  # the tuning requests' drift from transformers float32 (not f32), measured once
     _tools_factory: Callable | None = None
 
     def force(self, requests: list[JudgeRequest], outputs: list[list[int]], recipe: Recipe) -> dict:
@@ -33,12 +34,17 @@ class RunContext:
         return result.to_dict()
 
     def analyse(self, recipe: Recipe) -> dict:
-        """The round's cost report for the incumbent on the tuning requests."""
+        """The round's cost report for the incumbent on the tuning requests. Under numerics other than f32 it
+        carries the drift of the deployment's plain decoding from transformers float32, measured in the first
+        round and reused after (the numerics and the requests fix it; a recipe cannot change it)."""
         from specpilot.core.costmodel.report import analyse
 
         prompts = [r.prompt for r in self.tuning]
         limits = [r.max_new_tokens for r in self.tuning]
-        return analyse(self.engine, _materialised(recipe), prompts, limits, [r.index for r in self.tuning])
+        report = analyse(self.engine, _materialised(recipe), prompts, limits, [r.index for r in self.tuning],
+                         drift=self.drift if self.drift is not None else True)
+        self.drift = report.get("drift")
+        return report
 
     def tools_for(self, report: dict, recipe: Recipe) -> Any:
         """The cost model agents may ask what a change to `recipe` would do (a CostTools, or None when the

@@ -37,7 +37,7 @@ def gap_title(view: GapView | None) -> str:
 class GapBars(Widget):
     """One bar per cost-model component in ms per output token; the largest gap is highlighted."""
 
-    COMPONENT_CLASSES = {"gaps--label", "gaps--bar", "gaps--largest", "gaps--value", "gaps--empty"}
+    COMPONENT_CLASSES = {"gaps--label", "gaps--bar", "gaps--largest", "gaps--value", "gaps--empty", "gaps--drift"}
 
     def __init__(self, state: DashboardState, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -61,7 +61,13 @@ class GapBars(Widget):
         self.refresh(layout=True)
 
     def get_content_height(self, container: Size, viewport: Size, width: int) -> int:
-        return max(1, len(self.bars))
+        return max(1, len(self.bars) + bool(self.drift))
+
+    @property
+    def drift(self) -> str:
+        """Under numerics other than f32, the line saying how far its plain decoding is from transformers
+        float32 (shown under the bars); empty under f32."""
+        return self.view.drift if self.view else ""
 
     def render(self) -> Text:
         view = self.view
@@ -85,4 +91,6 @@ class GapBars(Widget):
             out.append(f"{value:>{value_w}}", styles["largest"] if top else styles["value"])
             if top:
                 out.append(LARGEST_MARK, styles["largest"])
+        if view.drift:
+            out.append("\n" + view.drift, self.get_component_rich_style("gaps--drift"))
         return out

@@ -21,6 +21,8 @@ per token or a fused/compiled forward can. They add up to measured - ceiling exa
 
 from __future__ import annotations
 
+from typing import Any
+
 from specpilot.core import progress
 from specpilot.core.costmodel import replay as rp
 from specpilot.core.costmodel.predict import predict, predict_detail
@@ -78,12 +80,17 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
             request_ids: list[int] | None = None, budgets: tuple[int, ...] = BUDGETS,
             max_depth: int = rp.DEFAULT_MAX_DEPTH, probe_result: dict | None = None,
             batching_ms_per_token: float = 0.0, repeats: int = 7, candidates: tuple[Recipe, ...] = (),
-            passes: int = 3) -> dict:
+            passes: int = 3, drift: bool | dict = False) -> dict:
     """Profile, replay and bound `recipe` on the requests; the JSON-ready cost report of a round.
 
     `candidates` are predicted too (key "predictions": tokens/s and speedup over the incumbent's prediction,
     which is robust to machine drift), each on its own drafter's replay of the same outputs. The recipe is
     timed over `passes` passes over the requests and the fastest pass is broken down.
+
+    Key "drift": under numerics other than f32, with `drift` true, how far the deployment's own greedy plain
+    decoding of these requests is from transformers float32 (core/costmodel/drift.py; Drift.to_dict()); a
+    dict passed as `drift` is the drift measured earlier on the same requests, reported as it is (it cannot
+    change: the numerics and the requests fix it). None under f32, which is the reference itself.
     """
     hw = probe_result or probe(str(engine.device), dtype_name(engine))
     with progress.step("cost model: timing the incumbent"):
@@ -94,6 +101,7 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
     extra = max(max_depth, *(_depth(r) for r in (recipe, *candidates))) + 2
     with progress.step("cost model: replaying acceptance"):
         traces = rp.record(target, prompts, limits, extra, rp.choice_rule(recipe), request_ids)
+    drift_report = _drift(engine, recipe, prompts, limits, request_ids, traces, drift)
     made: dict = {}
     own = rp.replay_for(engine, recipe, traces, made)
     search = rp.replay_for(engine, recipe.replace(draft={"method": "model"}), traces, made) if drafter else own
@@ -139,4 +147,29 @@ def analyse(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         },
         "predictions": predictions,
         "probe": hw,
+        "drift": drift_report,
     }
+
+
+def _drift(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: list[int],
+           request_ids: list[int] | None, traces: list[rp.Trace], drift: bool | dict) -> dict[str, Any] | None:
+    """The report's "drift": None under f32 or when not asked; a passed dict as it is; else measured on the
+    deployment's own greedy plain decoding (the replay's traces when the recipe decodes greedily: those are the
+    target's plain continuations, cut at each request's end; else decoded greedily here)."""
+    if engine.numerics == "f32" or drift is False:
+        return None
+    if isinstance(drift, dict):
+        return drift
+    from specpilot.core.costmodel.drift import drift as measure
+
+    if engine.target_dir is None:
+        return None
+    if rp.choice_rule(recipe).sampling == "greedy":
+        outputs = [t.tokens[t.prompt_len:t.prompt_len + t.n_out] for t in traces]
+    else:
+        ids = request_ids if request_ids is not None else list(range(len(prompts)))
+        outputs = [engine.generate([p], [n], None, [rid], speculative=False).tokens[0]
+                   for p, n, rid in zip(prompts, limits, ids)]
+    with progress.step(f"cost model: {engine.numerics} drift from transformers float32"):
+        return {"numerics": engine.numerics,
+                **measure(engine.target_dir, prompts, outputs, str(engine.device)).to_dict()}

@@ -244,7 +244,7 @@ class Loop(Control):
             tools = self.ctx.tools_for(report, self.incumbent)
         self.log(Gaps(index, measured_tokens_per_s=report["measured_tokens_per_s"],
                       ceiling_tokens_per_s=report["ceiling_tokens_per_s"], gaps=report["gaps"],
-                      largest_gap=report["largest_gap"]))
+                      largest_gap=report["largest_gap"], drift=report.get("drift")))
         round_id = self.store.start_round(self.run_id, index, {k: report[k] for k in (
             "measured_tokens_per_s", "ceiling_tokens_per_s", "gaps", "largest_gap")})
         return report, tools, round_id
