@@ -188,6 +188,24 @@ def test_repacked_blocks_give_the_same_bits(q: str, isa: str) -> None:
     assert torch.equal(bits(m(x[:17], threads=2)), ref[:17])
 
 
+@pytest.mark.parametrize("q", ["Q5_0", "Q8_0"])
+@pytest.mark.parametrize("k", [768, 896])
+def test_repacked_32_blocks_give_the_same_bits(q: str, k: int, isa: str) -> None:
+    """Q5_0/Q8_0 repacked on request (a last chunk of 4 blocks at K = 896): every row count, 2 threads; never by
+    default."""
+    qb = kernel()
+    n = 37
+    raw = random_blocks(q, n, k, np.random.default_rng(11), SCALES)
+    x = activations(17, k, seed=5)
+    ref = bits(q8_ref.matmul(x, raw, q, n, k))
+    m = qb.Q8Matrix(raw, q, n, k, repack=True)
+    assert m.packed is not None and qb.Q8Matrix(raw, q, n, k).packed is None
+    assert m.packed.numel() == 32 // 16 * -(-k // 256) * (2816 if q == "Q5_0" else 4352)
+    for rows in range(1, 18):
+        assert torch.equal(bits(m(x[:rows])), ref[:rows]), f"{q}: {rows} rows"
+    assert torch.equal(bits(m(x[:9], threads=2)), ref[:9])
+
+
 def test_a_file_s_blocks_are_repacked_once_into_the_cache(tmp_path: Path, cache: Path) -> None:
     """Blocks that are a view of a file's memmap (as gguf-py's tensors are, at an offset) go through a repacked
     copy written once into the cache and mapped read-only; a changed file gets its own copy."""

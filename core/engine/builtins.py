@@ -301,6 +301,18 @@ register("drafter_format", "q4", _drafter_blocks(4), "approximate 4-bit drafter 
          presets=(Preset("stock-gguf-q4", "stock-gguf"),))  # the target exact on its blocks, the drafter lossy
 
 
+def _drafter_on_blocks(drafter: Any) -> Any:
+    from specpilot.core.engine.draft_format import gguf_drafter
+
+    return gguf_drafter(drafter)
+
+
+register("drafter_format", "blocks8", _drafter_on_blocks,
+         "a GGUF drafter on its own file's blocks in the q8 arithmetic (VNNI integer products), its head over the "
+         "first 65,536 ids", builtin=True, memory=0.0, curve="b8",  # memory-mapped blocks and shared repacks
+         presets=(Preset("stock-gguf-b8", "stock-gguf"),))
+
+
 def _backend(name: str) -> Callable[[Any, Callable[[], Any]], Any]:
     def build(model: Any, skinny: Callable[[], Any]) -> Any:
         if name == "native":

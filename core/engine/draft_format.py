@@ -1,4 +1,4 @@
-"""`[weights] drafter_format = "q8" | "q4"`: the drafter model's products in approximate 8- or 4-bit blocks.
+"""`[weights] drafter_format = "q8" | "q4" | "blocks8"`: the drafter model's products in cheaper arithmetic.
 
 Why: on the real pair drafting costs more than verifying (four 0.5B forwards a step against one 1.5B
 forward on the GGUF blocks), and a drafter only proposes: the target's verification decides every output
@@ -7,6 +7,12 @@ activations (kernels/cpu/q8_draft.c) cut a drafting forward; the output stays th
 checks like any other recipe's. A prompt's prefill (more than q8_draft.MAX_ROWS rows) runs in bfloat16 where
 the CPU has bfloat16 matmul units (AMX or AVX-512 BF16), else on the drafter's exact projections, both
 cheaper per row there. CPU only.
+
+`blocks8` keeps a GGUF drafter on its own file's blocks and runs it in the q8 numerics' arithmetic
+(numerics.q8_transformer: 8-bit activations, VNNI integer products on kernels/cpu/q8_blocks.c, the fixed-order
+attention), reading the memory-mapped blocks (and the shared cached repacks) in place: no private copy. Its
+LM head keeps the first HEAD_VOCAB ids and the end-of-sequence ids, as the q4/q8 drafters' do, which halves
+the 0.5B's 145 MB Q8_0 head.
 """
 
 from __future__ import annotations
@@ -114,3 +120,69 @@ def quantised_drafter(model: Transformer, bits: int) -> Transformer:
     copy.matrix_bytes = head.nbytes + sum(m.nbytes for layer in layers for m in (layer.qkv, layer.o, layer.gate_up,
                                                                               layer.down))
     return copy
+
+
+def gguf_drafter(model: Transformer) -> Transformer:
+    """`drafter_format = "blocks8"`: the drafter `model` on its own GGUF file's blocks in the q8 arithmetic
+    (numerics.q8_transformer's: 8-bit activations, integer products, the fixed-order attention and SiLU), every
+    matrix read through the shared cached repacked copy (Q5_0 and Q8_0 too, which the target's q8 reads as
+    stored), its head over the first HEAD_VOCAB ids plus end of sequence where the vocabulary is over
+    2 * HEAD_VOCAB. The file is the one the checkpoint was materialised from (`model.checkpoint`, set by the
+    Engine); a drafter without one is a one-line error."""
+    from specpilot.core.engine import gguf_checkpoint, numerics
+    from specpilot.core.engine.gguf_format import on_blocks
+    from specpilot.kernels.build import KernelUnavailable
+    from specpilot.kernels.cpu import attention
+    from specpilot.kernels.cpu.q8_blocks import Q8Matrix
+    from specpilot.kernels.reference.gguf_ref import UnsupportedBlockType
+
+    where = getattr(model, "checkpoint", None)
+    info = gguf_checkpoint.source(where) if where else None
+    if info is None:
+        raise ModelLoadError(f"weights.drafter_format = 'blocks8' runs the drafter on its GGUF file's blocks, and "
+                             f"{where or 'this drafter'} is not a GGUF checkpoint: pass --drafter FILE.gguf, or use "
+                             "drafter_format = 'q4', 'q8' or 'same'")
+    if model.dtype != torch.float32 or model.device.type != "cpu":
+        raise ModelLoadError("weights.drafter_format = 'blocks8' runs on the CPU in float32 around its integer "
+                             "products; use --device cpu --dtype float32, or drafter_format = 'same'")
+    try:
+        attention.library()
+        copy = on_blocks(model, info["gguf"], functools.partial(Q8Matrix, repack=True), numerics._shared_input)
+    except (KernelUnavailable, UnsupportedBlockType) as exc:
+        raise ModelLoadError(f"weights.drafter_format = 'blocks8' cannot run here ({exc}); use drafter_format = "
+                             "'q4', 'q8' or 'same'") from None
+    copy.attention = numerics._attend
+    copy.silu_mul = attention.silu_mul
+    head = copy.lm_head
+    if head.n > 2 * HEAD_VOCAB:
+        tensors = {t.name: t for t in gguf_checkpoint.reader(info["gguf"]).tensors}
+        stored = tensors.get("output.weight") or tensors["token_embd.weight"]
+        copy.lm_head = BlocksHead(stored.data, head, model.cfg.eos_token_ids)
+        copy.matrix_bytes += copy.lm_head.nbytes - head.nbytes
+    copy.weight_format = f"{model.weight_format}+blocks8"
+    return copy
+
+
+class BlocksHead:
+    """A q8 LM head over its first HEAD_VOCAB rows (a row slice of the file's memmap, repacked into the shared
+    cache like the rest) and the end-of-sequence rows above them; the rest of the vocabulary gets -inf (never
+    drafted), as VocabHead. The kept rows' logits are the full head's bits."""
+
+    def __init__(self, stored, head, eos_ids) -> None:
+        from specpilot.kernels.cpu.q8_blocks import Q8Matrix
+
+        self.vocab, self.first = head.n, HEAD_VOCAB
+        self.rows = Q8Matrix(stored[: self.first], head.qtype, self.first, head.k, head.threads, repack=True)
+        ends = sorted(i for i in eos_ids if i >= self.first)
+        self.ends = torch.tensor(ends, dtype=torch.long)
+        self.tail = Q8Matrix(head.raw[ends].clone(), head.qtype, len(ends), head.k, head.threads) if ends else None
+        self.nbytes = self.rows.nbytes + (self.tail.nbytes if self.tail is not None else 0)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        xq = self.rows.quantize(x)
+        y = self.rows.product(xq)
+        out = y.new_full((y.shape[0], self.vocab), float("-inf"))
+        out[:, : self.first] = y
+        if self.tail is not None:
+            out[:, self.ends] = self.tail.product(xq)
+        return out.view(*x.shape[:-1], self.vocab)

@@ -46,6 +46,9 @@ class Engine:
         self._drafters: dict[tuple, Drafter] = {}
         self._models: dict[str, Transformer] = {}
         self._tables: dict[tuple, CostTable] = {}
+        for model, where in ((target, target_dir), (drafter_model, drafter_dir)):
+            if model is not None and where is not None:  # the checkpoint a model came from (and its GGUF file,
+                model.checkpoint = str(where)  # gguf_checkpoint.source): drafter_format 'blocks8' reads it
 
     @classmethod
     def load(cls, target_dir: str | Path, drafter_dir: str | Path | None = None, dtype: str = "float32",

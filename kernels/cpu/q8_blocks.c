@@ -197,15 +197,54 @@ static void act_table(int qtype, const int32_t *bs, long k, int32_t *aux) {
 
 /* Bytes of one repacked chunk of `qtype`, 0 if it has no repacked layout. */
 static long rp_chunk(int qtype) {
-    if (qtype != T_Q4_K && qtype != T_Q6_K) return 0;
-    long b = TRAITS[qtype].bytes;
+    long b;
+    if (qtype == T_Q4_K || qtype == T_Q6_K) b = TRAITS[qtype].bytes;
+    else if (qtype == T_Q5_0 || qtype == T_Q8_0) b = TRAITS[qtype].bytes * (QA / 32); /* eight 32-blocks */
+    else return 0;
     return (b / 4 * 64 + b % 4 * 16 + 63) / 64 * 64;
 }
 
-/* Bytes q8_repack writes for n rows of k values of `qtype`; 0 where there is nothing to repack. */
+/* Bytes q8_repack writes for n rows of k values of `qtype`; 0 where there is nothing to repack. The 32-block
+ * formats take k a multiple of 32, a last partial chunk padded with zeros to the chunk's size. */
 long q8_repack_bytes(int qtype, long n, long k) {
     long c = rp_chunk(qtype);
-    return c && k > 0 && k % QA == 0 && n >= 16 ? n / 16 * (k / QA) * c : 0;
+    if (!c || k <= 0 || n < 16) return 0;
+    if (qtype == T_Q5_0 || qtype == T_Q8_0) return k % 32 == 0 ? n / 16 * ((k + QA - 1) / QA) * c : 0;
+    return k % QA == 0 ? n / 16 * (k / QA) * c : 0;
+}
+
+/* Where a repacked 32-block chunk keeps its 8 blocks' f16 d (16 rows each, 32 bytes a block), in 64-byte
+ * vectors: Q5_0 after 32 nibble dwords and 8 high-bit dwords, Q8_0 after 64 code dwords. */
+#define RP_D_Q5_0 40
+#define RP_D_Q8_0 64
+
+/* One 16-row tile's chunk c of a 32-block format (Q5_0, Q8_0), repacked: vector v lane r = a dword of row r.
+ * Q8_0: v = 8b + i the code dword i of block b, stored + 128 (xor 0x80 per byte: the unsigned codes the dots
+ * take). Q5_0: v = 4b + i its nibble dword i as stored, v = 32 + b its qh with bit 4G + i moved to bit 8i + G
+ * (so that group G's fifth bits land on bit 4 of each byte with one shift and one mask). Then the d. */
+static void repack_b32(const uint8_t *w, long k, int qtype, long tc, long chunks, uint8_t *dst) {
+    long bsz = TRAITS[qtype].bytes, nblk = k / 32, row_bytes = nblk * bsz, t = tc / chunks, c = tc % chunks;
+    long dv = qtype == T_Q5_0 ? RP_D_Q5_0 : RP_D_Q8_0;
+    for (int r = 0; r < 16; r++)
+        for (long b = 0; b < 8 && 8 * c + b < nblk; b++) {
+            const uint8_t *src = w + (t * 16 + r) * row_bytes + (8 * c + b) * bsz;
+            memcpy(dst + 64 * dv + 32 * b + 2 * r, src, 2);
+            if (qtype == T_Q8_0) {
+                for (int i = 0; i < 8; i++) {
+                    uint32_t v;
+                    memcpy(&v, src + 2 + 4 * i, 4);
+                    v ^= 0x80808080u;
+                    memcpy(dst + 64 * (8 * b + i) + 4 * r, &v, 4);
+                }
+            } else {
+                uint32_t h, hp = 0;
+                memcpy(&h, src + 2, 4);
+                for (int g = 0; g < 8; g++)
+                    for (int i = 0; i < 4; i++) hp |= ((h >> (4 * g + i)) & 1u) << (8 * i + g);
+                memcpy(dst + 64 * (32 + b) + 4 * r, &hp, 4);
+                for (int i = 0; i < 4; i++) memcpy(dst + 64 * (4 * b + i) + 4 * r, src + 6 + 4 * i, 4);
+            }
+        }
 }
 
 /* The repacked layout of the first n / 16 * 16 rows of W (n rows of k values of `qtype`) into out
@@ -215,6 +254,15 @@ int q8_repack(const uint8_t *w, long n, long k, int qtype, uint8_t *out, int thr
     if (!bytes) return -1;
     long size = TRAITS[qtype].bytes, chunks = k / QA, row_bytes = chunks * size, words = size / 4;
     if (threads < 1) threads = 1;
+    if (qtype == T_Q5_0 || qtype == T_Q8_0) {
+        chunks = (k + QA - 1) / QA;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+        for (long tc = 0; tc < n / 16 * chunks; tc++) {
+            memset(out + tc * cb, 0, cb);
+            repack_b32(w, k, qtype, tc, chunks, out + tc * cb);
+        }
+        return 0;
+    }
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
     for (long tc = 0; tc < n / 16 * chunks; tc++) {
         uint8_t *dst = out + tc * cb;
@@ -391,6 +439,10 @@ long q8_read(const uint8_t *p, long bytes) {
 #define dec_q8_0 SFX(dec_q8_0)
 #define dec_q4_1 SFX(dec_q4_1)
 #define dec_q5_0 SFX(dec_q5_0)
+#define rp_q8_0 SFX(rp_q8_0)
+#define rp_q5_0 SFX(rp_q5_0)
+#define rp_q4_1 SFX(rp_q4_1)
+#define put SFX(put)
 #define dot_q4_k SFX(dot_q4_k)
 #define dot_q6_k SFX(dot_q6_k)
 #define dot_b32 SFX(dot_b32)
@@ -409,7 +461,9 @@ typedef struct {
                       * dear), in nibbuf or the repacked chunk */
     const char *qh;  /* Q6_K: the dwords of high bits, likewise */
     char nibbuf[32 * 64] __attribute__((aligned(64))), qhbuf[16 * 64] __attribute__((aligned(64)));
-    vi codes[KG]; /* Q8_0, Q5_0: codes[g] lane r = the 4 unsigned codes of values 4g..4g+3 of row r */
+    const char *cp; /* Q8_0, Q5_0: vector g (VEC) lane r = the 4 unsigned codes of values 4g..4g+3 of row r, in
+                     * codes or a repacked Q8_0 chunk */
+    char codes[KG * 64] __attribute__((aligned(64)));
     vi sc[16];    /* sub-block scales (Q4_K: 8 of 32 values, Q6_K: 16 of 16) */
     vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
     vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
@@ -641,15 +695,25 @@ INL vi q6_code(const vu *ql, vu qh, const int sb) {
     return (vi)(lo | (sb < 2 ? hb << (4 - 2 * sb) : hb >> (2 * sb - 4)));
 }
 
+/* code vector i of the scratch */
+INL void put(scratch_t *s, int i, vi v) { memcpy(s->codes + 64 * i, &v, sizeof v); }
+
 /* Q8_0 (34 bytes): f16 d, int8 q[32]; codes q + 128. `nb` blocks of 32 from byte `at`. */
 INL void dec_q8_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_t *s) {
     char t[16 * 64] __attribute__((aligned(64)));
     for (int b = 0; b < nb; b += 2) {
         int b1 = b + 1 < nb ? b + 1 : b;
         tr16(rows, at + 34 * b + 2, at + 34 * b1 + 2, t);
-        for (int g = 0; g < 16; g++) s->codes[8 * b + g] = (vi)((vu)VEC(t, g) ^ 0x80808080u);
+        for (int g = 0; g < 16; g++) put(s, 8 * b + g, (vi)((vu)VEC(t, g) ^ 0x80808080u));
     }
     for (int b = 0; b < nb; b++) s->d[b] = f16lo(gather(rows, offs, at + 34 * b));
+    s->cp = s->codes;
+}
+
+/* a repacked Q8_0 chunk at p (repack_b32; the AVX2 path's half of each 16-row vector): codes read in place */
+INL void rp_q8_0(const char *p, int half, int nb, scratch_t *s) {
+    for (int b = 0; b < nb; b++) s->d[b] = f16v(p + 64 * RP_D_Q8_0 + 32 * b + 2 * LANES * half);
+    s->cp = p + 4 * LANES * half;
 }
 
 /* Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles (values 0-15 low, 16-31 high). */
@@ -674,11 +738,30 @@ INL void dec_q5_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_
         vu qh = (vu)gather(rows, offs, at + 22 * b + 2);
         tr4(rows, at + 22 * b + 6, t);
         for (int w = 0; w < 4; w++) {
-            s->codes[8 * b + w] = (vi)(((vu)t[w] & NIB) | spread4(qh >> (4 * w)));
-            s->codes[8 * b + 4 + w] = (vi)((((vu)t[w] >> 4) & NIB) | spread4(qh >> (16 + 4 * w)));
+            put(s, 8 * b + w, (vi)(((vu)t[w] & NIB) | spread4(qh >> (4 * w))));
+            put(s, 8 * b + 4 + w, (vi)((((vu)t[w] >> 4) & NIB) | spread4(qh >> (16 + 4 * w))));
         }
     }
+    s->cp = s->codes;
 }
+
+/* a repacked Q5_0 chunk at p (repack_b32): group w's fifth bits are qh's permuted dword shifted to bit 4 */
+INL void rp_q5_0(const char *p, int half, int nb, scratch_t *s) {
+    const char *v = p + 4 * LANES * half;
+    for (int b = 0; b < nb; b++) {
+        s->d[b] = f16v(p + 64 * RP_D_Q5_0 + 32 * b + 2 * LANES * half);
+        vu qh = vreg(v, 32 + b);
+        for (int w = 0; w < 4; w++) {
+            vu t = vreg(v, 4 * b + w);
+            put(s, 8 * b + w, (vi)((t & NIB) | ((qh << (4 - w)) & 0x10101010u)));
+            put(s, 8 * b + 4 + w, (vi)(((t >> 4) & NIB) | ((qh >> w) & 0x10101010u)));
+        }
+    }
+    s->cp = s->codes;
+}
+
+/* Q4_1 has no repacked layout (q8_repack_bytes is 0): never called */
+INL void rp_q4_1(const char *p, int half, int nb, scratch_t *s) { (void)p, (void)half, (void)nb, (void)s; }
 
 /* ---- the dot kernels: G activation rows against a decoded chunk (G a constant after inlining) ----
  * Each activation row has its own accumulators and runs the same sequence whatever G is; G only interleaves
@@ -764,7 +847,7 @@ INL void dot_b32(int qtype, const scratch_t *s, const xrow_t *x, long c, int nb,
             acc[r][b] = (vi){0} + (qtype == T_Q4_1 || b >= n ? 0 : x[r].aux[8 * c + b0 + b]);
         UNROLL for (int g = 0; g < 8; g++) UNROLL for (int b = 0; b < SB; b++) {
             /* past the chunk's blocks: stale codes, never used */
-            vi code = qtype != T_Q4_1 ? s->codes[8 * (b0 + b) + g]
+            vi code = qtype != T_Q4_1 ? (vi)vreg(s->cp, 8 * (b0 + b) + g)
                     : (vi)(((vu)VEC(s->nib, 4 * (b0 + b) + g % 4) >> (g / 4 * 4)) & NIB);
             UNROLL for (int r = 0; r < G; r++) {
                 const int8_t *p = xq[r] + 32 * (b0 + b) + 4 * g;
@@ -851,8 +934,15 @@ static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scrat
     static void SFX(chunk_##stem)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y,          \
                                   pf_t *pf) {                                                                  \
         const int qt = T_##N, nb = (int)((j->k - QA * c < QA ? j->k - QA * c : QA) / 32);                      \
-        pf_step(pf, j, LANES, 8 * BYTES_##N);                                                                  \
-        dec_##stem(tl->rows, tl->offs, c * j->chunk_bytes, nb, s);                                             \
+        if (tl->rp) {                                                                                          \
+            const char *p = tl->rp + c * j->rp_chunk;                                                          \
+            for (long b = 0; b < j->rp_chunk; b += 64)                                                         \
+                _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T0);                               \
+            rp_##stem(p, tl->half, nb, s);                                                                     \
+        } else {                                                                                               \
+            pf_step(pf, j, LANES, 8 * BYTES_##N);                                                              \
+            dec_##stem(tl->rows, tl->offs, c * j->chunk_bytes, nb, s);                                         \
+        }                                                                                                      \
         EACH_GROUP(CALL_B32)                                                                                   \
     }
 #define CALL_B32(G) dot_b32(qt, s, x, c, nb, yy, G)
@@ -930,6 +1020,10 @@ static void SFX(run_tiles)(const job_t *j) {
 #undef dec_q8_0
 #undef dec_q4_1
 #undef dec_q5_0
+#undef rp_q8_0
+#undef rp_q5_0
+#undef rp_q4_1
+#undef put
 #undef dot_q4_k
 #undef dot_q6_k
 #undef dot_b32

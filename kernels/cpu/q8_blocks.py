@@ -6,8 +6,8 @@ combination per weight block; the C kernel gives the oracle's bits for any numbe
 any thread count, reading the caller's blocks in place (a read-only memmap stays shared, never copied).
 A caller with one input for several matrices (q/k/v, gate/up) quantises it once (`quantize`) and multiplies
 it by each (`Q8Matrix.product`); `Q8Matrix(x)` does both in one foreign call.
-Q4_K and Q6_K matrices of a GGUF file are read through a repacked copy (q8_blocks.c: each 16-row superblock's
-dwords transposed, the same bytes): written once per source file into the SpecPilot cache and memory-mapped
+Q4_K and Q6_K matrices of a GGUF file (Q5_0 and Q8_0 where the caller asks: the GGUF drafter) are read through
+a repacked copy (q8_blocks.c: each 16-row superblock's dwords transposed, the same bytes): written once per source file into the SpecPilot cache and memory-mapped
 read-only, so every process shares one copy through the page cache, as it shares the file itself.
 Built once per source version with the system C compiler into the SpecPilot cache, like gguf_blocks.py.
 """
@@ -171,9 +171,10 @@ class Q8Matrix:
 
     def __init__(self, raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int,
                  threads: int | None = None, repack: bool | None = None) -> None:
-        """`repack`: read Q4_K/Q6_K blocks through their repacked layout (None: where the blocks are a file's
-        memmap, through the shared cached copy; True: also a private copy of blocks in memory; False: never).
-        The bits are the same either way."""
+        """`repack`: read Q4_K/Q6_K (and Q5_0/Q8_0) blocks through their repacked layout (None: Q4_K and Q6_K
+        where the blocks are a file's memmap, through the shared cached copy; True: any of the four, through the
+        cached copy for a file's memmap, else a private copy in memory; False: never). The bits are the same
+        either way."""
         self.qtype = check_q8_type(qtype)
         self.name = FORMATS[self.qtype][0]
         self.n, self.k = int(n), int(k)
@@ -184,7 +185,7 @@ class Q8Matrix:
         self.threads = threads
         self.lib = library()
         source = _source(raw)
-        want = repack if repack is not None else source is not None
+        want = repack if repack is not None else source is not None and self.name in ("Q4_K", "Q6_K")
         self.packed = repacked(self.raw, self.qtype, self.n, self.k, source) if want else None
 
     @property
