@@ -21,13 +21,16 @@ from specpilot.core import progress
 from specpilot.core.engine import Engine, StepStats
 from specpilot.core.engine.config import ModelLoadError
 from specpilot.core.engine.decode import sync
+from specpilot.core.engine.numerics import NumericsError, check_recipe as check_numerics
 from specpilot.core.engine.drafters import DraftMode, ModelDrafter, TreeSpec
 from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.tree import chain_paths
 from specpilot.core.mechanisms import curve, own_curves
 from specpilot.core.recipe import Recipe, RecipeError
 
-NODES = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)  # dense where chains and trees live: the curve is lumpy there
+# dense where chains and trees live: the curve is lumpy there (5 = a chain of 4 and its root, which the q8 and
+# float32 kernels' row blocking can make cheaper than 4 rows; interpolating 4..6 would misprice it)
+NODES = (1, 2, 3, 4, 5, 6, 8, 12, 16, 32, 64)
 CHAIN_DEPTHS = (1, 2, 4, 8)
 DYNAMIC_SHAPE = (6, 4, 24)
 DRAFTER_WIDTHS = (1, 4, 16)
@@ -61,7 +64,9 @@ class Profile:
     beyond the forward), a dynamic tree's extra per level, and its prompt prefill (prefill_ms); bytes:
     what one verify step reads (weights + KV at context_len); dispatch_curve: nodes -> the same target
     forward with every weight product removed (outputs allocated, not computed), i.e. what a forward costs
-    outside its weight matrices: op dispatch and the small ops (norms, RoPE, attention at these sizes).
+    outside its weight matrices: op dispatch and the small ops (norms, RoPE, attention at these sizes);
+    numerics: the deployment's (core/engine/numerics.py) whose target these curves timed; under q8 only the
+    variants that keep its products are measured (profiles stored before numerics existed are f32).
     """
 
     recipe: dict
@@ -83,6 +88,7 @@ class Profile:
     backend_curves: dict[str, dict[int, float]] = field(default_factory=dict)
     dispatch_curve: dict[int, float] = field(default_factory=dict)
     drafter_backend_curves: dict[str, dict[str, dict[int, float]]] = field(default_factory=dict)
+    numerics: str = "f32"
 
     def verify_curve_for(self, backend: str) -> dict[int, float]:
         """The target's forward curve under a linear backend (the profiled recipe's when not measured)."""
@@ -102,6 +108,7 @@ class Profile:
                             for kind, d in data.get("drafters", {}).items()}
         data["drafter_backend_curves"] = {b: {k: _int_keys(c) for k, c in kinds.items()}
                                           for b, kinds in data.get("drafter_backend_curves", {}).items()}
+        data["numerics"] = data.get("numerics") or "f32"
         return cls(**data)
 
 
@@ -323,7 +330,8 @@ def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
     """The recipe under every linear backend (with a weight format that runs on one), and switched to every
     weight format that runs its own kernel (gguf: target and drafter): the alternatives the cost model prices.
     A format this checkpoint cannot take (gguf from a Hugging Face directory) fails to load where it is
-    measured, and is left out there."""
+    measured, and is left out there. A variant the deployment's numerics refuses (under q8: another linear
+    backend, a target format other than native or gguf) is no alternative at all and is left out here."""
     fmt = "native" if curve("weight_format", recipe.weights.format) else recipe.weights.format
     out = {}
     for key, backend in own_curves("linear_backend").items():
@@ -336,7 +344,16 @@ def variants(engine: Engine, recipe: Recipe) -> dict[str, Recipe]:
             out[key] = recipe.switched("weight_format", name).replace(weights={"drafter_format": "same"})
         except RecipeError:
             continue
-    return out
+    return {key: r for key, r in out.items() if allowed(engine, r)}
+
+
+def allowed(engine: Engine, recipe: Recipe) -> bool:
+    """Whether the engine's numerics let `recipe` set the target's weight format and linear backend."""
+    try:
+        check_numerics(getattr(engine, "numerics", "f32"), recipe.weights.format, recipe.runtime.linear)
+    except NumericsError:
+        return False
+    return True
 
 
 def drafter_format_variants(engine: Engine, recipe: Recipe, keys: list[str]) -> dict[str, Recipe]:
@@ -434,6 +451,7 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         bytes={"weights": weights, "kv": kv, "total": weights + kv, "context_len": context, "fewest_weights": fewest},
         backend_curves=curves,
         dispatch_curve=dispatch,
+        numerics=getattr(engine, "numerics", "f32"),
     )
     widths = tuple(sorted({1, 2, 3, 4, 6, 8, 12, 16, recipe.tree.topk}))
     prompt = max(prompts, key=len)[: max(2, round(prompt_len))]
@@ -445,9 +463,16 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
         own = [k for k in dict.fromkeys((variant_key(recipe), *own_curves("weight_format"))) if k in curves]  # not every backend
         formats = drafter_format_variants(engine, recipe, own)
         options = {**variants(engine, recipe), **formats}
-        drafters = {f"{key}|{kind}": model for key in [*curves, *formats]  # the measured targets' variants only
-                    for kind, model in drafter_models(engine, options[key]).items()
-                    if key in curves or kind == "model"}
+        drafters = {}
+        for key in [*curves, *formats]:  # the measured targets' variants only
+            try:
+                models = drafter_models(engine, options[key])
+            except ModelLoadError:  # a drafter format this drafter checkpoint cannot take: left out
+                if key in curves and key == variant_key(recipe):
+                    raise
+                continue
+            drafters.update({f"{key}|{kind}": model for kind, model in models.items()
+                             if key in curves or kind == "model"})
         timed = forward_curves(drafters, context, DRAFTER_WIDTHS, repeats)
         for key, curve in timed.items():
             backend, kind = key.split("|", 1)

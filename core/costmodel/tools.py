@@ -17,6 +17,7 @@ from specpilot.core.costmodel.predict import predict_detail
 from specpilot.core.costmodel.profile import Profile, interpolate
 from specpilot.core.engine.decode import Verification
 from specpilot.core.engine.engine import tree_spec
+from specpilot.core.engine.numerics import NumericsError, check_recipe as check_numerics
 from specpilot.core.mechanisms import modelled
 from specpilot.core.recipe import Recipe
 
@@ -26,6 +27,15 @@ EXTRA = 16  # tokens recorded past each request's end: deep enough for the deepe
 def drafter_key(recipe: Recipe, layers: int) -> str:
     """'model', 'ngram' or 'early_exit:E' (E resolved as the engine does)."""
     return recipe.draft.drafter_key(layers)
+
+
+def numerics_refusal(numerics: str, recipe: Recipe) -> str | None:
+    """check_recipe's one line when `numerics` refuses `recipe`'s target format or linear backend, else None."""
+    try:
+        check_numerics(numerics, recipe.weights.format, recipe.runtime.linear)
+    except NumericsError as exc:
+        return str(exc)
+    return None
 
 
 def _modelled(recipe: Recipe) -> Recipe:
@@ -45,6 +55,8 @@ class CostTools:
         self.profile = Profile.from_dict(report["profile"])
         self.device = str(engine.device)
         self.batch_size = batch_size
+        # the deployment's numerics (the engine's; the profile's for an engine that does not say)
+        self.numerics = getattr(engine, "numerics", None) or self.profile.numerics
         self.layers = engine.target.cfg.num_layers
         self.drafters = (["model"] if engine.drafter_model is not None else []) + ["ngram"] + [
             f"early_exit:{e}" for e in range(1, self.layers)]
@@ -127,6 +139,11 @@ class CostTools:
         key = drafter or drafter_key(self.incumbent, self.layers)
         with self._lock:
             return rp.best_tree(self.replay(key, self.incumbent.draft.ngram_max), budget, max_depth)
+
+    def refused(self, recipe: Recipe) -> str | None:
+        """Why the deployment's numerics refuse `recipe` (a target weight format or linear backend that would
+        change the target's products; core/engine/numerics.check_recipe), or None when they allow it."""
+        return numerics_refusal(self.numerics, recipe)
 
     def step_ms(self, recipe: Recipe) -> dict[str, float]:
         """Predicted ms per step by phase: draft, verify, commit, host."""

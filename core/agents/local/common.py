@@ -9,7 +9,9 @@ from typing import Any, Callable
 
 from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
 from specpilot.core.agents.local import templates
+from specpilot.core.costmodel.tools import numerics_refusal
 from specpilot.core.diffs import RECIPE_FILE, make_unified_diff
+from specpilot.core.engine.numerics import NumericsError
 from specpilot.core.engine.tree import static_prefixes
 from specpilot.core.memory import rejection_line, rejection_of
 from specpilot.core.recipe import Recipe
@@ -97,6 +99,30 @@ def draft_nodes(recipe: Recipe) -> int:
     return t.budget
 
 
+def flat_width(tools: Any, widest: int = 64) -> int:
+    """The most tokens one verify step takes for at most KNEE x one token's measured cost (1 where even two
+    tokens cost more): how far the verify curve is flat. A GPU or matrix unit is flat past 33 tokens; the q8
+    numerics on a CPU (integer products, memory-bound) to about 4-5 rows; float32 products on a CPU not at all."""
+    one = max(tools.verify_ms(1), 1e-9)
+    return max(n for n in range(1, widest + 1) if tools.verify_ms(n) <= KNEE * one)
+
+
+def numerics_of(ctx: AgentContext, tools: Any) -> str:
+    """The deployment's numerics: the cost tools' (the engine's), else the context's deployment's, else f32."""
+    return getattr(tools, "numerics", None) or (ctx.deployment or {}).get("numerics") or "f32"
+
+
+def refusal(ctx: AgentContext, tools: Any, recipe: Recipe) -> str | None:
+    """Why the deployment's numerics refuse `recipe` (its target weight format or linear backend would change
+    the target's products), or None: agents filter by it rather than propose what the judge must refuse."""
+    return numerics_refusal(numerics_of(ctx, tools), recipe)
+
+
+def report_numerics(report: dict[str, Any] | None) -> str:
+    """The numerics a cost report's profile was measured under ('f32' when it does not say)."""
+    return str(((report or {}).get("profile") or {}).get("numerics") or "f32")
+
+
 def report_device(report: dict[str, Any] | None) -> str:
     """The device a cost report was measured on ('cpu' when it does not say)."""
     return str(((report or {}).get("probe") or {}).get("device", "cpu"))
@@ -141,6 +167,9 @@ class LocalAgent:
         """Propose the best option if it clears MIN_GAIN over the incumbent, else fail saying how close it got."""
         inc_toml = ctx.recipe.to_toml()
         options = [o for o in options if o.recipe.to_toml() != inc_toml]
+        for o in [o for o in options if refusal(ctx, ctx.tools, o.recipe)]:
+            say(f"not proposing {o.label}: {refusal(ctx, ctx.tools, o.recipe)}")
+            options.remove(o)
         for o in [o for o in options if rejection_of(o.recipe, ctx.recipe, ctx.rejected)]:
             say(f"not proposing {o.label}: it repeats {rejection_line(rejection_of(o.recipe, ctx.recipe, ctx.rejected))}")
             options.remove(o)
@@ -182,8 +211,11 @@ class LocalAgent:
 
     def candidate(self, ctx: AgentContext, new: Recipe, title: str, rationale: str, speedup: float | None,
                   say: Stream) -> Candidate:
-        """A recipe-only candidate: the validated recipe and its diff against the incumbent, streamed."""
+        """A recipe-only candidate: the validated recipe and its diff against the incumbent, streamed. A recipe
+        the deployment's numerics refuse is never proposed (agents filter first; this is the last guard)."""
         new.validate()
+        if why := refusal(ctx, ctx.tools, new):
+            raise NumericsError(why)
         diff = make_unified_diff(ctx.recipe.to_toml(), new.to_toml(), RECIPE_FILE)
         say.part(diff)
         return Candidate(agent=self.name, title=title[:120], rationale=rationale, kind="recipe", diff=diff,

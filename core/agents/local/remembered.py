@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
-from specpilot.core.agents.local.common import LocalAgent, Stream, pct
+from specpilot.core.agents.local.common import LocalAgent, Stream, pct, refusal
 from specpilot.core.deployment import Deployment
 from specpilot.core.diffs import make_unified_diff
 from specpilot.core.memory import apply_fragment, applicable, effect_of, rejection_of, remembered_plugins
@@ -39,6 +39,9 @@ class MemoryAgent(LocalAgent):
                 continue
             effect = effect_of(entry)
             where = entry.get("fingerprint", "unknown")
+            if why := refusal(ctx, tools, trial):
+                say(f"from memory: {entry.get('mechanism', 'unnamed')} (won on {where}) not applied here: {why}")
+                continue
             say(f"from memory: {entry.get('mechanism', 'unnamed')} (won {effect or 0:.2f}x on {where})"
                 + ("" if where == here else f"; recorded on another deployment, this one is {here}"))
             if tools is not None:
@@ -49,6 +52,8 @@ class MemoryAgent(LocalAgent):
                     continue
             new, sections = trial, sections | set(fragment)
             used.append(entry)
+        if not used:
+            return AgentFailure(self.name, "no remembered mechanism applies under this deployment's numerics")
         speedup = tools.predict(new) / base_pred if tools is not None and base_pred else (
             effect_of(used[0]) if used[0].get("fingerprint") == here else None)
         names = " + ".join(str(e.get("mechanism", "unnamed")) for e in used)

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
-from specpilot.core.agents.local.common import LocalAgent, Stream, evaluate, pct, report_device
+from specpilot.core.agents.local.common import (LocalAgent, Stream, evaluate, numerics_of, pct, refusal, report_device,
+                                                report_numerics)
+from specpilot.core.engine.numerics import TARGET_BACKENDS
 from specpilot.core.mechanisms import builtin_names, curve
 
 
@@ -23,6 +25,10 @@ class RuntimeAgent(LocalAgent):
         device = report_device(report)
         if device.startswith("cuda"):
             return f"the linear backends it chooses between run on a CPU; this is {device}"
+        numerics = report_numerics(report)
+        fixed = TARGET_BACKENDS.get(numerics)
+        if fixed is not None and len(fixed) == 1:
+            return f"numerics {numerics} fixes the target's products: runtime.linear stays {fixed[0]!r}"
         return None
 
     def search(self, ctx: AgentContext, tools: Any, say: Stream) -> Candidate | AgentFailure:
@@ -34,6 +40,15 @@ class RuntimeAgent(LocalAgent):
         curves = tools.profile.backend_curves
         mine = tools.profile.verify_curve_for(inc.runtime.linear)
         others = [b for b in curves if b in builtin_names("linear_backend") and b != inc.runtime.linear]
+        refused = [b for b in others if refusal(ctx, tools, inc.replace(runtime={"linear": b}))]
+        if refused:
+            say(f"not pricing {', '.join(refused)}: numerics {numerics_of(ctx, tools)} fixes the target's products "
+                "(runtime.linear = 'native')")
+            others = [b for b in others if b not in refused]
+        fixed = TARGET_BACKENDS.get(numerics_of(ctx, tools))
+        if not others and fixed is not None and len(fixed) == 1:
+            return AgentFailure(self.name, f"numerics {numerics_of(ctx, tools)} fixes the target's products: no "
+                                           f"linear backend but {fixed[0]!r} may run it")
         if not others:
             measured = ", ".join(curves) or inc.runtime.linear
             return AgentFailure(self.name, f"no other linear backend runs here (measured: {measured}; onednn, "

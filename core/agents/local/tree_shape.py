@@ -5,13 +5,16 @@ from __future__ import annotations
 from typing import Any
 
 from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
-from specpilot.core.agents.local.common import KNEE, MAX_DEPTH, LocalAgent, Stream, evaluate, incumbent, pct, static_tree
+from specpilot.core.agents.local.common import (KNEE, MAX_DEPTH, LocalAgent, Stream, evaluate, flat_width, incumbent,
+                                                pct, static_tree)
 
 BUDGETS = (4, 8, 12, 16, 24, 32, 48, 64)
 DYNAMIC_SHAPES = ((16, 6), (32, 6), (64, 8))  # (budget, depth); EAGLE-2 style, topk 4
-# where verifying 33 tokens costs <= KNEE x one (a matrix unit, a GPU): wider and deeper shapes, and deeper chains
+# where the verify curve is flat (KNEE) for w tokens, shapes up to 2w deep are priced too: about the flat part's
+# depth nearly free, as deep again at a price the replayed acceptance must pay for. A matrix unit or GPU (w >= 33)
+# gets them all; the q8 numerics on a CPU (w about 4) chains to 8 and 16-32-node dynamic trees 4-8 deep
 FLAT_SHAPES = ((8, 4), (16, 8), (24, 8), (32, 8), (32, 10), (32, 12))
-FLAT_CHAINS = (6, 8, 10, 12)
+FLAT_CHAINS = tuple(range(2, 13))
 
 
 class TreeShapeAgent(LocalAgent):
@@ -31,16 +34,20 @@ class TreeShapeAgent(LocalAgent):
                 f"predicted {o.predicted:.0f} tok/s ({pct(o.predicted, base.predicted)})")
             options.append(o)
         one, wide = max(tools.verify_ms(1), 1e-9), tools.verify_ms(33)
-        flat = wide <= KNEE * one
-        say(f"verify curve: 33 tokens cost {wide / one:.2f}x one" + (
-            f" (<= {KNEE:.2f}x: flat, so wider and deeper trees and deeper chains are worth pricing)" if flat else ""))
-        for budget, depth in DYNAMIC_SHAPES + (FLAT_SHAPES if flat else ()):
+        width = flat_width(tools)
+        deepest = 2 * width if width > 1 else 0
+        flat_shapes = tuple(s for s in FLAT_SHAPES if s[1] <= deepest)
+        chains = tuple(d for d in FLAT_CHAINS if d <= deepest)
+        say(f"verify curve: 33 tokens cost {wide / one:.2f}x one; {width} cost <= {KNEE:.2f}x one" + (
+            f": flat, so wider and deeper trees and deeper chains are worth pricing (to depth {min(deepest, 12)})"
+            if deepest else ""))
+        for budget, depth in DYNAMIC_SHAPES + flat_shapes:
             recipe = inc.replace(tree={"policy": "dynamic", "budget": budget, "depth": depth, "topk": 4, "paths": []})
             o = evaluate(tools, f"dynamic tree (budget {budget}, depth {depth})", recipe)
             say(f"dynamic budget {budget} depth {depth}: {o.accepted:.2f} tokens/step, predicted "
                 f"{o.predicted:.0f} tok/s ({pct(o.predicted, base.predicted)})")
             options.append(o)
-        for depth in FLAT_CHAINS if flat else ():
+        for depth in chains:
             o = evaluate(tools, f"chain depth {depth}", inc.replace(tree={"policy": "chain", "depth": depth,
                                                                           "paths": []}))
             say(f"chain depth {depth}: {o.accepted:.2f} tokens/step, predicted {o.predicted:.0f} tok/s "

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
-from specpilot.core.agents.local.common import MIN_GAIN, LocalAgent, Stream, evaluate, pct, report_device
+from specpilot.core.agents.local.common import (MIN_GAIN, LocalAgent, Stream, evaluate, numerics_of, pct, refusal,
+                                                report_device, report_numerics)
+from specpilot.core.engine.numerics import NumericsError, check_recipe as check_numerics
 from specpilot.core.mechanisms import curve, own_curves
 
 PACKED_BYTES = 12 / 16
@@ -24,7 +26,14 @@ class WeightFormatAgent(LocalAgent):
         own blocks (a GGUF checkpoint, on any device)."""
         device = report_device(report)
         curves = ((report or {}).get("profile") or {}).get("backend_curves") or {}
-        if device.startswith("cuda") or any(key in curves for key in own_curves("weight_format")):
+        if any(key in curves for key in own_curves("weight_format")):
+            return None
+        if device.startswith("cuda"):
+            try:
+                check_numerics(report_numerics(report), "packed12", "native")
+            except NumericsError:
+                return (f"numerics {report_numerics(report)} fixes the target's products: no packed12, and no gguf "
+                        "measured")
             return None
         return (f"packed12 pays only with the fused CUDA kernel (this is {device}) and the profile measured no "
                 "gguf blocks")
@@ -42,6 +51,8 @@ class WeightFormatAgent(LocalAgent):
             return self.own_kernel(ctx, tools, say, curves, measured)
         if inc.weights.format == "packed12":
             return AgentFailure(self.name, "weights are already packed12; no other lossless format to try")
+        if why := refusal(ctx, tools, inc.switched("weight_format", "packed12")):
+            return AgentFailure(self.name, f"packed12 is not an option under numerics {numerics_of(ctx, tools)}: {why}")
         base_pred = tools.predict(inc)
         step = tools.step_ms(inc)
         total = sum(step.values())
@@ -80,6 +91,9 @@ class WeightFormatAgent(LocalAgent):
         base = evaluate(tools, f"{inc.weights.format} weights", inc)
         options = []
         for key, name in measured.items():
+            if why := refusal(ctx, tools, inc.switched("weight_format", name)):
+                say(f"not pricing {name}: {why}")
+                continue
             points = ", ".join(f"{n} nodes {curves[key][n]:.0f} vs {mine[n]:.0f} ms"
                                for n in (1, 4, 8, 16) if n in curves[key] and n in mine)
             say(f"target forward, {name} blocks vs {inc.weights.format} weights on {inc.runtime.linear}: {points}")
