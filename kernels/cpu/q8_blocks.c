@@ -443,6 +443,7 @@ long q8_read(const uint8_t *p, long bytes) {
 #define rp_q5_0 SFX(rp_q5_0)
 #define rp_q4_1 SFX(rp_q4_1)
 #define put SFX(put)
+#define q5_code SFX(q5_code)
 #define dot_q4_k SFX(dot_q4_k)
 #define dot_q6_k SFX(dot_q6_k)
 #define dot_b32 SFX(dot_b32)
@@ -464,6 +465,8 @@ typedef struct {
     const char *cp; /* Q8_0, Q5_0: vector g (VEC) lane r = the 4 unsigned codes of values 4g..4g+3 of row r, in
                      * codes or a repacked Q8_0 chunk */
     char codes[KG * 64] __attribute__((aligned(64)));
+    const char *q5; /* a repacked Q5_0 chunk's vectors (this path's half), whose codes the dots build in registers;
+                     * NULL elsewhere */
     vi sc[16];    /* sub-block scales (Q4_K: 8 of 32 values, Q6_K: 16 of 16) */
     vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
     vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
@@ -707,13 +710,13 @@ INL void dec_q8_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_
         for (int g = 0; g < 16; g++) put(s, 8 * b + g, (vi)((vu)VEC(t, g) ^ 0x80808080u));
     }
     for (int b = 0; b < nb; b++) s->d[b] = f16lo(gather(rows, offs, at + 34 * b));
-    s->cp = s->codes;
+    s->cp = s->codes, s->q5 = NULL;
 }
 
 /* a repacked Q8_0 chunk at p (repack_b32; the AVX2 path's half of each 16-row vector): codes read in place */
 INL void rp_q8_0(const char *p, int half, int nb, scratch_t *s) {
     for (int b = 0; b < nb; b++) s->d[b] = f16v(p + 64 * RP_D_Q8_0 + 32 * b + 2 * LANES * half);
-    s->cp = p + 4 * LANES * half;
+    s->cp = p + 4 * LANES * half, s->q5 = NULL;
 }
 
 /* Q4_1 (20 bytes): f16 d, f16 m, 16 bytes of nibbles (values 0-15 low, 16-31 high). */
@@ -742,22 +745,19 @@ INL void dec_q5_0(const uint8_t *const *rows, vi offs, long at, int nb, scratch_
             put(s, 8 * b + 4 + w, (vi)((((vu)t[w] >> 4) & NIB) | spread4(qh >> (16 + 4 * w))));
         }
     }
-    s->cp = s->codes;
+    s->cp = s->codes, s->q5 = NULL;
 }
 
 /* a repacked Q5_0 chunk at p (repack_b32): group w's fifth bits are qh's permuted dword shifted to bit 4 */
 INL void rp_q5_0(const char *p, int half, int nb, scratch_t *s) {
-    const char *v = p + 4 * LANES * half;
-    for (int b = 0; b < nb; b++) {
-        s->d[b] = f16v(p + 64 * RP_D_Q5_0 + 32 * b + 2 * LANES * half);
-        vu qh = vreg(v, 32 + b);
-        for (int w = 0; w < 4; w++) {
-            vu t = vreg(v, 4 * b + w);
-            put(s, 8 * b + w, (vi)((t & NIB) | ((qh << (4 - w)) & 0x10101010u)));
-            put(s, 8 * b + 4 + w, (vi)(((t >> 4) & NIB) | ((qh >> w) & 0x10101010u)));
-        }
-    }
-    s->cp = s->codes;
+    for (int b = 0; b < nb; b++) s->d[b] = f16v(p + 64 * RP_D_Q5_0 + 32 * b + 2 * LANES * half);
+    s->q5 = p + 4 * LANES * half;
+}
+
+/* code vector g (< 8) of block b of a repacked Q5_0 chunk: nibbles | fifth bits (see repack_b32) */
+INL vi q5_code(const char *v, int b, const int g) {
+    vu t = vreg(v, 4 * b + g % 4), qh = vreg(v, 32 + b);
+    return (vi)(g < 4 ? (t & NIB) | ((qh << (4 - g)) & 0x10101010u) : ((t >> 4) & NIB) | ((qh >> (g - 4)) & 0x10101010u));
 }
 
 /* Q4_1 has no repacked layout (q8_repack_bytes is 0): never called */
@@ -847,7 +847,8 @@ INL void dot_b32(int qtype, const scratch_t *s, const xrow_t *x, long c, int nb,
             acc[r][b] = (vi){0} + (qtype == T_Q4_1 || b >= n ? 0 : x[r].aux[8 * c + b0 + b]);
         UNROLL for (int g = 0; g < 8; g++) UNROLL for (int b = 0; b < SB; b++) {
             /* past the chunk's blocks: stale codes, never used */
-            vi code = qtype != T_Q4_1 ? (vi)vreg(s->cp, 8 * (b0 + b) + g)
+            vi code = qtype == T_Q5_0 && s->q5 ? q5_code(s->q5, b0 + b, g)
+                    : qtype != T_Q4_1 ? (vi)vreg(s->cp, 8 * (b0 + b) + g)
                     : (vi)(((vu)VEC(s->nib, 4 * (b0 + b) + g % 4) >> (g / 4 * 4)) & NIB);
             UNROLL for (int r = 0; r < G; r++) {
                 const int8_t *p = xq[r] + 32 * (b0 + b) + 4 * g;
@@ -1024,6 +1025,7 @@ static void SFX(run_tiles)(const job_t *j) {
 #undef rp_q5_0
 #undef rp_q4_1
 #undef put
+#undef q5_code
 #undef dot_q4_k
 #undef dot_q6_k
 #undef dot_b32
