@@ -36,7 +36,7 @@ def test_every_kind_has_its_builtins_registered():
         "batching": ("fixed", "budget", "allocate", "cap"),
         "weight_format": ("native", "packed12", "gguf"),
         "linear_backend": ("native", "onednn", "skinny", "fused"),
-        "drafter_format": ("same", "q8", "q4"),
+        "drafter_format": ("same", "q8", "q4", "blocks8"),
     }
     assert {k: builtin_names(k) for k in kinds()} == expected
 
