@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specpilot.core.recipe import RecipeError
+from specpilot.core.recipe_source import (best_run, finished_rounds, incumbent, open_store, recipes_from_spec,
+                                          run_incumbent)
 
 
 def deployment_options(p: argparse.ArgumentParser) -> None:
@@ -115,118 +117,13 @@ def db_path(args: argparse.Namespace) -> str:
     return args.db or os.environ.get("SPECPILOT_DB") or "store.db"
 
 
-def _recipes(spec: str | None, deployment=None, db: str | None = None) -> list:
-    """Recipes named on the command line: built-ins, .toml files, and `best` (the newest incumbent the loop
-    stored for this deployment in the store)."""
-    from specpilot.core.recipe import RecipeError, resolve
-
-    has_drafter = deployment is None or deployment.drafter is not None
-    names = [s.strip() for s in (spec or "").split(",") if s.strip()]
-    recipes = [best_recipe(deployment, db) if n == "best" else resolve(n, has_drafter) for n in names]
-    seen: dict[str, str] = {}
-    for given, recipe in zip(names, recipes):  # a bench keys its systems by name: a second one would vanish
-        if recipe.name in seen:
-            raise RecipeError(f"--recipes: {seen[recipe.name]} and {given} are both named {recipe.name!r}; "
-                              f"set a different `name` in one of them")
-        seen[recipe.name] = given
-    return recipes
-
-
-def best_recipe(deployment, db: str | None):
-    """The final incumbent of the newest run on this deployment (same fingerprint) that finished a round."""
-    store, run_id = best_run(deployment, db)
-    return _incumbent(store, run_id).replace(name="best")
-
-
-def best_run(deployment, db: str | None):
-    """The store and the id of the newest run on this deployment that finished a round."""
-    store, path = _open_store(db, "best")
-    mine = deployment.fingerprint()
-    for run in store.list_runs():
-        if _same_deployment(run, mine) and _finished_rounds(store, run["id"]):
-            return store, run["id"]
-    raise FileNotFoundError(f"best: {path} holds no finished round for this deployment "
-                            f"({deployment.describe()}); run `specpilot run` on it first")
-
-
-def run_incumbent(run_id: int, deployment, db: str | None):
-    """Run `run_id`'s final incumbent, refused in one line if the run was on another deployment."""
-    store, path = _open_store(db, f"run {run_id}")
-    run = store.run(run_id)
-    if run is None:
-        raise FileNotFoundError(f"run {run_id} is not in {path}; see `specpilot runs`")
-    if deployment is not None and not _same_deployment(run, deployment.fingerprint()):
-        raise RecipeError(f"run {run_id} tuned another deployment than {deployment.describe()} (its fingerprint "
-                          "differs); pass that run's --target and --drafter, or pick a run of this deployment")
-    if not _finished_rounds(store, run_id):
-        raise FileNotFoundError(f"run {run_id} has no finished round in {path}")
-    return _incumbent(store, run_id)
-
-
-def _open_store(db: str | None, what: str):
-    from specpilot.core.store import Store
-
-    path = db or os.environ.get("SPECPILOT_DB") or "store.db"
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"{what}: no store at {path}; run `specpilot run` on this deployment first "
-                                "or pass --db PATH")
-    return Store(path, read_only=True), path
-
-
-def _same_deployment(run: dict, fingerprint: str) -> bool:
-    from specpilot.core.deployment import Deployment
-
-    try:
-        return Deployment(**run["deployment"]).fingerprint() == fingerprint
-    except (TypeError, ValueError, OSError):
-        return False
-
-
-def _finished_rounds(store, run_id: int) -> list[dict]:
-    return [r for r in store.list_rounds(run_id) if r.get("incumbent")]
-
-
-def _incumbent(store, run_id: int):
-    """The last finished round's incumbent recipe, with the run's plugins registered."""
-    from specpilot.core.recipe import Recipe
-
-    last = _finished_rounds(store, run_id)[-1]
-    recipe = Recipe.from_toml(last["incumbent"]["recipe"], source=f"run {run_id}")
-    _load_plugins(recipe, last["incumbent"].get("workspace"), run_id)
-    return recipe
-
-
-def _load_plugins(recipe, workspace: str | None, run_id: int) -> None:
-    """An incumbent that runs agent-written mechanisms (`plugin:NAME`) needs them registered in this process:
-    the user asked to run the loop's result, so they are imported from the run's workspace, the code the
-    judge's workers ran. A workspace that is gone is a one-line error."""
-    from specpilot.core.engine.plugins import load_workspace
-    from specpilot.core.mechanisms import UnknownMechanism, check_recipe
-
-    try:
-        check_recipe(recipe)
-        return
-    except UnknownMechanism:
-        pass
-    if not workspace or not (Path(workspace) / "plugins").is_dir():
-        raise FileNotFoundError(f"--recipes best: run {run_id}'s incumbent runs plugins from {workspace}, which "
-                                "no longer exists; resume the run or export its recipe without the plugin")
-    names = load_workspace(workspace)
-    try:
-        check_recipe(recipe)
-    except UnknownMechanism as exc:
-        raise FileNotFoundError(f"--recipes best: run {run_id}'s workspace {workspace} no longer holds its "
-                                f"plugins ({exc})") from None
-    print(f"--recipes best: loaded run {run_id}'s plugins ({', '.join(names)}) from {workspace}", file=sys.stderr)
-
-
 def cmd_bench(args: argparse.Namespace) -> int:
     from specpilot.core import bench
     from specpilot.core.deployment import Deployment
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
-    recipes = _recipes(args.recipes, deployment, args.db)
+    recipes = recipes_from_spec(args.recipes, deployment, args.db)
     if args.batch_sizes:
         from specpilot.core.batchbench import run_batched
 
@@ -362,11 +259,11 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not (args.recipe or args.to or args.nearest):
         raise ValueError("export: say what to write: --recipe OUT.toml, --to ENGINE, or --nearest OUT.toml")
-    store, path = _open_store(args.db, "export")
+    store, path = open_store(args.db, "export")
     if args.run == "best":
         deployment = Deployment.from_args(args)
         _, run_id = best_run(deployment, path)
-        recipe = _incumbent(store, run_id)
+        recipe = incumbent(store, run_id)
     elif args.run.isdigit():
         run_id = int(args.run)
         run = store.run(run_id)
@@ -376,7 +273,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         recipe = run_incumbent(run_id, deployment, path)
     else:
         raise ValueError(f"export: {args.run!r} is neither a run id nor `best`; see `specpilot runs`")
-    history = [r["incumbent"] for r in _finished_rounds(store, run_id)]
+    history = [r["incumbent"] for r in finished_rounds(store, run_id)]
     if args.recipe:
         recipe.save(args.recipe)
         print(f"wrote {args.recipe} (incumbent of run {run_id}, round {len(history)})", file=sys.stderr)
@@ -519,8 +416,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     prompts, limits, ids = _requests(deployment, args.split, args.max_requests, args.max_new_tokens)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
                          deployment.numerics)
-    report = analyse(engine, recipe, prompts, limits, ids, candidates=tuple(_recipes(args.predict, deployment)),
-                     drift=True)
+    candidates = tuple(recipes_from_spec(args.predict, deployment))
+    report = analyse(engine, recipe, prompts, limits, ids, candidates=candidates, drift=True)
     if args.json:
         print(json.dumps(report, indent=2))
         return 0

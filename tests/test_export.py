@@ -9,7 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from specpilot.core.cli import main, run_incumbent
+from specpilot.core.cli import main
+from specpilot.core.recipe_source import run_incumbent
 from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET, Deployment
 from specpilot.core.engine import Engine
 from specpilot.core.recipe import Recipe, RecipeError

@@ -54,6 +54,65 @@ def test_the_judge_imports_no_agent_code():
     assert "specpilot.core.diffs" in imported_modules(judged[0], full=True)
 
 
+def _core_import_graph() -> dict[str, set[str]]:
+    """Each core module's explicit imports of other core modules (local imports included; the implicit import
+    of a submodule's parent package is not an edge)."""
+    modules = {}
+    for path in (ROOT / "core").rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        modules[".".join(["specpilot", *(parts[:-1] if parts[-1] == "__init__" else parts)])] = path
+
+    def owner(name: str) -> str | None:
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+    graph = {}
+    for name, path in modules.items():
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets.update(owner(f"{node.module}.{a.name}") for a in node.names)
+            elif isinstance(node, ast.Import):
+                targets.update(owner(a.name) for a in node.names)
+        graph[name] = targets - {None, name}
+    return graph
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle in `graph`, as the path that closes it, or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        state[node] = 2
+        stack.pop()
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_core_has_no_import_circle():
+    graph = _core_import_graph()
+    assert "specpilot.core.recipe_source" in graph["specpilot.core.cli"]
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+
+
+def test_the_circle_finder_finds_one():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
+
+
 def test_no_file_imports_the_old_top_level_names():
     """From the repo root `import core` still resolves to ./core, a second copy of every module: one missed
     rename would pass here and break in an installed package."""

@@ -164,7 +164,7 @@ def test_no_ar_bench_counts_against_ar_on_the_blocks(smol, smollm2_gguf, tmp_pat
 
 
 def test_recipes_best_from_the_store(tmp_path, capsys):
-    from specpilot.core.cli import best_recipe
+    from specpilot.core.recipe_source import best_recipe
     from specpilot.core.store import Store
 
     d = mini_deployment.build(tmp_path, requests=2, max_new_tokens=4)

@@ -10,50 +10,14 @@ bundles) of a Ray cluster.
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass, field
-from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
+
+from specpilot.core.executors.base import EXECUTORS, Device, Executor, ExecutorError
 
 if TYPE_CHECKING:
     from specpilot.core.deployment import Deployment
-    from specpilot.core.recipe import Recipe
-    from specpilot.core.workers import WorkerBase
 
-EXECUTORS = ("local", "ray")
-
-
-class ExecutorError(ValueError):
-    """An executor that cannot be used as asked (unknown name, bad device, no Ray, no cluster); one line that
-    says what to do."""
-
-
-@dataclass(frozen=True)
-class Device:
-    """One timing slot. `name` is what the user sees (cuda:1, cpu:0-1, ray:0); `torch` the device the worker's
-    engine loads on; `cpus` the cores a local worker is pinned to; `index` the slot's place in its executor."""
-
-    name: str
-    torch: str
-    cpus: tuple[int, ...] | None = None
-    index: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, compare=False, repr=False)
-
-
-class Executor(Protocol):
-    """Starts workers on its devices. `start` launches one and returns at once (its `ready()` waits for the
-    engine), so several can load at the same time; the worker is killed through `kill()`/`close()`."""
-
-    name: str
-    devices: list[Device]
-
-    def start(self, deployment: "Deployment", recipe: "Recipe | None", workspace: str | Path | None,
-              device: Device, limit_s: float, start_limit_s: float | None) -> "WorkerBase":
-        ...
-
-    def close(self) -> None:
-        """Release what the executor holds (a Ray placement group, a cluster it started)."""
-        ...
+__all__ = ["EXECUTORS", "Device", "Executor", "ExecutorError", "check_executor", "make_executor"]
 
 
 def check_executor(name: str) -> None:
@@ -61,7 +25,7 @@ def check_executor(name: str) -> None:
     if name not in EXECUTORS:
         raise ExecutorError(f"--executor {name!r} is unknown; use one of: {', '.join(EXECUTORS)}")
     if name == "ray":
-        from specpilot.core.executors.ray import require_ray
+        from specpilot.core.executors.ray import require_ray  # lazily: Ray is an optional extra
 
         require_ray()
 
@@ -73,9 +37,9 @@ def make_executor(name: str, deployment: "Deployment", devices: str | None = Non
     if name == "local":
         if ray_address:
             raise ExecutorError("--ray-address needs --executor ray")
-        from specpilot.core.executors.local import LocalExecutor
+        from specpilot.core.executors.local import LocalExecutor  # lazily: the workers' module loads torch
 
         return LocalExecutor(deployment, devices)
-    from specpilot.core.executors.ray import RayExecutor
+    from specpilot.core.executors.ray import RayExecutor  # lazily: Ray is an optional extra
 
     return RayExecutor(deployment, devices, ray_address)

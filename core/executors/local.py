@@ -13,7 +13,7 @@ import threading
 from pathlib import Path
 
 from specpilot.core.deployment import Deployment
-from specpilot.core.executors import Device, ExecutorError
+from specpilot.core.executors.base import Device, ExecutorError
 from specpilot.core.recipe import Recipe
 from specpilot.core.workers import Worker
 

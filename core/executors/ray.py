@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Iterator
 
 from specpilot.core.deployment import Deployment
-from specpilot.core.executors import Device, ExecutorError
+from specpilot.core.executors.base import Device, ExecutorError
 from specpilot.core.recipe import Recipe
 from specpilot.core.workers import _LIVE, SECRET_ENV, START_LIMIT_S, Worker, WorkerBase, WorkerError, WorkerTimeout, \
     deployment_dict, recipe_text

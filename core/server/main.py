@@ -19,24 +19,9 @@ import uvicorn
 from specpilot.core.engine.decode import Verification
 from specpilot.core.engine.ram_budget import require
 from specpilot.core.recipe import Recipe, RecipeError
+from specpilot.core.recipe_source import serving_recipe
 
 log = logging.getLogger("specpilot.serve")
-
-
-def resolve_recipe(spec: str, deployment, db: str | None) -> tuple[Recipe | None, bool]:
-    """The recipe to serve and whether to speculate with it: `best` (the newest stored incumbent of this
-    deployment), a run id (its final incumbent; refused if that run was on another deployment), a built-in
-    name, a .toml file, `ar` (plain decoding on the float32 weights) or `ar+RECIPE` (plain decoding on that
-    recipe's weights and linear backend, what the recipe's speculation is measured against)."""
-    from specpilot.core.cli import _recipes, run_incumbent
-
-    if spec == "ar":
-        return None, False
-    if spec.startswith("ar+"):
-        return resolve_recipe(spec[3:], deployment, db)[0], False
-    if spec.isdigit():
-        return run_incumbent(int(spec), deployment, db), True
-    return _recipes(spec, deployment, db)[0], True
 
 
 def kv_bytes(model, rows: int, length: int) -> int:
@@ -58,7 +43,7 @@ def build(args: argparse.Namespace):
 
     deployment = Deployment.from_args(args).validate()
     deployment.apply_threads()
-    recipe, speculative = resolve_recipe(args.recipe, deployment, args.db)
+    recipe, speculative = serving_recipe(args.recipe, deployment, args.db)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
                          deployment.numerics)
     target = engine.target if recipe is None else engine.models_for(recipe)[0]
