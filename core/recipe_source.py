@@ -8,12 +8,14 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specpilot.core.deployment import Deployment
-from specpilot.core.engine.plugins import load_workspace
 from specpilot.core.mechanisms import UnknownMechanism, check_recipe
 from specpilot.core.recipe import Recipe, RecipeError, resolve
-from specpilot.core.store import Store
+
+if TYPE_CHECKING:
+    from specpilot.core.store import Store
 
 
 def recipes_from_spec(spec: str | None, deployment: Deployment | None = None, db: str | None = None) -> list[Recipe]:
@@ -64,6 +66,8 @@ def run_incumbent(run_id: int, deployment: Deployment | None, db: str | None) ->
 
 def open_store(db: str | None, what: str) -> tuple[Store, str]:
     """The store at `db` (or $SPECPILOT_DB, or ./store.db), read-only; a missing file is a one-line error."""
+    from specpilot.core.store import Store  # lazily: SQLModel takes a third of a second to import
+
     path = db or os.environ.get("SPECPILOT_DB") or "store.db"
     if not Path(path).is_file():
         raise FileNotFoundError(f"{what}: no store at {path}; run `specpilot run` on this deployment first "
@@ -99,6 +103,8 @@ def load_plugins(recipe: Recipe, workspace: str | None, run_id: int) -> None:
         return
     except UnknownMechanism:
         pass
+    from specpilot.core.engine.plugins import load_workspace  # lazily: the engine package loads torch
+
     if not workspace or not (Path(workspace) / "plugins").is_dir():
         raise FileNotFoundError(f"--recipes best: run {run_id}'s incumbent runs plugins from {workspace}, which "
                                 "no longer exists; resume the run or export its recipe without the plugin")

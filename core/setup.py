@@ -27,10 +27,10 @@ class RunContext:
     def force(self, requests: list[JudgeRequest], outputs: list[list[int]], recipe: Recipe) -> dict:
         """Token forcing of `outputs` against the deployment's reference (transformers at f32, our own plain
         decoding under other numerics), in the judge's process."""
-        from specpilot.core.forcing import _verification, force
+        from specpilot.core.forcing import force, reference_verification
 
         result = force(self.reference, [r.prompt for r in requests], outputs, [r.max_new_tokens for r in requests],
-                       _verification(recipe), [r.index for r in requests], self.eos)
+                       reference_verification(recipe), [r.index for r in requests], self.eos)
         return result.to_dict()
 
     def analyse(self, recipe: Recipe) -> dict:
@@ -67,6 +67,7 @@ def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tok
 
     from specpilot.core.costmodel.profile import timed_run
     from specpilot.core.engine import Engine
+    from specpilot.core.engine.decode import misfit
     from specpilot.core.forcing import load_reference
     from specpilot.core.workload import encode, load, split
 
@@ -85,9 +86,8 @@ def prepare(deployment: Deployment, max_requests: int | None = None, max_new_tok
     tuning, heldout = prepared("tuning"), prepared("heldout")
     ctx_limit = engine.target.cfg.max_position_embeddings
     for r in tuning + heldout:
-        if len(r.prompt) + r.max_new_tokens > ctx_limit:
-            raise ValueError(f"request {r.id}: prompt of {len(r.prompt)} tokens + max_new_tokens {r.max_new_tokens} "
-                             f"exceeds the model's context of {ctx_limit}; shorten it or lower --max-new-tokens")
+        if why := misfit(len(r.prompt), r.max_new_tokens, ctx_limit, "--max-new-tokens"):
+            raise ValueError(f"request {r.id}: {why}")
     reference = load_reference(deployment.target, "float32", deployment.device, engine)
     ar = timed_run(engine, None, [r.prompt for r in tuning], [r.max_new_tokens for r in tuning],
                    [r.index for r in tuning])

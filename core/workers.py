@@ -53,6 +53,16 @@ class JudgeRequest:
 _LIVE: "weakref.WeakSet[WorkerBase]" = weakref.WeakSet()  # every worker not yet killed, wherever it runs
 
 
+def track(worker: "WorkerBase") -> None:
+    """Count a started worker among the live ones `kill_workers` reaches, whichever executor started it."""
+    _LIVE.add(worker)
+
+
+def untrack(worker: "WorkerBase") -> None:
+    """Forget a worker that is dead."""
+    _LIVE.discard(worker)
+
+
 def kill_workers() -> int:
     """Kill every live worker of this process (a quitting dashboard that cannot wait for the loop);
     returns how many there were."""
@@ -146,7 +156,7 @@ class Worker(WorkerBase):
                                      stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=self.log,
                                      pass_fds=(write_fd,), start_new_session=True, env=env, text=True)
         os.close(write_fd)
-        _LIVE.add(self)
+        track(self)
         self.reply_fd = read_fd
         self.buffer = b""
         self._closed = False
@@ -241,7 +251,7 @@ class Worker(WorkerBase):
                 self.proc.wait(timeout=10)
             except subprocess.TimeoutExpired:
                 pass
-        _LIVE.discard(self)
+        untrack(self)
 
     def close(self) -> None:
         if self._closed:

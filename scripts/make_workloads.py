@@ -2,7 +2,7 @@
 """Build the demo workloads: ``workloads/code.jsonl`` and ``workloads/chat.jsonl``.
 
 * code.jsonl - code-completion requests cut from the stdlib modules held out of the demo models'
-  training corpus (``train_demo.HELDOUT_MODULES``). For a function/method found with ``ast`` the
+  training corpus (``specpilot.core.demo_training.HELDOUT_MODULES``). For a function/method found with ``ast`` the
   prompt is the source from its ``def`` line through its docstring plus the first 1-2 non-blank
   lines of the body, then a cut into the following body line that never leaves a bare newline at
   the end: either mid-line, just before a space (a clean byte-level-BPE pre-token boundary), or,
@@ -25,8 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from train_demo import HELDOUT_MODULES, stdlib_dir  # noqa: E402
+from specpilot.core.demo_training import HELDOUT_MODULES, stdlib_dir
 
 MAX_PROMPT_CHARS = 1200
 MAX_NEW_TOKENS = 64

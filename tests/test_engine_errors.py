@@ -55,8 +55,8 @@ def test_tokenizer_mismatch(tmp_path):
 def test_prompt_over_context_refused_before_work(tmp_path):
     tiny_models.build(tmp_path)
     engine = Engine.load(tmp_path)
-    with pytest.raises(GenerationError, match=r"request 0: prompt of 100 tokens \+ max_new_tokens 40 exceeds the "
-                                              r"model's context of 128 tokens; shorten the prompt"):
+    with pytest.raises(GenerationError, match=r"request 0: the context is 128 tokens: the prompt has 100 and "
+                                              r"max_new_tokens asks for 40 more, but 28 fit; shorten the prompt"):
         engine.generate([[1] * 100], 40, speculative=False)
 
 

@@ -3,9 +3,18 @@
 import pytest
 
 from specpilot.core.engine import Engine
-from specpilot.core.engine.serve import CostTable, Policy, allocate, expected_accepted, measure_costs, serve
+from specpilot.core.engine.batching import CostTable, Policy, allocate, expected_accepted, measure_costs
+from specpilot.core.engine.scheduler import Scheduler, check_fits, drive
 from specpilot.core.engine.tree import chain_paths
 from specpilot.core.engine.drafters import TreeSpec
+
+
+def serve(target, drafter, prompts, limits, spec, policy=None, max_batch=8, verification=None):
+    """A scheduler over explicit parts (not a recipe's) driven over a fixed list, as Engine.serve drives one."""
+    check_fits(target, prompts, limits)
+    sched = Scheduler(target, drafter, spec, policy, max_batch, max(len(p) + n for p, n in zip(prompts, limits)),
+                      verification)
+    return drive(sched, prompts, limits)
 
 
 def workload(n=7, vocab=101):
@@ -110,7 +119,7 @@ def test_each_recipe_is_priced_with_its_own_cost_table(setup):
 def test_policies_price_the_step_overhead_they_observe():
     """A per-step overhead every depth pays makes deeper drafts pay (depth 0 wins on the forward alone, depth
     2 once 20 ms per step is priced in); an overhead that grows with depth is learned per depth."""
-    from specpilot.core.engine.serve import best_uniform_depth
+    from specpilot.core.engine.batching import best_uniform_depth
 
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
     assert best_uniform_depth(table, 2, 0.5, max_depth=2) == 0
@@ -129,7 +138,7 @@ def test_policies_price_the_step_overhead_they_observe():
 
 
 def test_acceptance_is_estimated_per_tested_token():
-    from specpilot.core.engine.serve import acceptance_sample
+    from specpilot.core.engine.batching import acceptance_sample
 
     assert acceptance_sample(3, 4) == 0.75  # 3 accepted, the 4th tested and rejected
     assert acceptance_sample(4, 4) == 1.0
@@ -141,7 +150,7 @@ def test_acceptance_is_estimated_per_tested_token():
 def test_a_policy_that_stops_drafting_still_probes():
     """Depth 0 learns no acceptance, so after PROBE_EVERY undrafted steps one step drafts a token per row;
     each probe that changes nothing doubles the wait for the next, up to PROBE_MAX."""
-    from specpilot.core.engine.serve import PROBE_EVERY, PROBE_MAX
+    from specpilot.core.engine.batching import PROBE_EVERY, PROBE_MAX
 
     table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
     policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
@@ -227,9 +236,10 @@ def test_scheduler_refuses_what_its_context_cannot_hold(setup):
 
     engine, *_ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=40)
-    with pytest.raises(GenerationError, match="30 tokens \\+ max_new_tokens 11 does not fit the context of 40"):
+    with pytest.raises(GenerationError, match="context is 40 tokens: the prompt has 30 and max_new_tokens asks for "
+                                              "11 more, but 10 fit"):
         sched.add(list(range(30)), 11)
-    with pytest.raises(GenerationError, match="max_new_tokens >= 1"):
+    with pytest.raises(GenerationError, match="max_new_tokens is 0; ask for at least 1"):
         sched.add([1, 2], 0)
     assert sched.idle()
 
@@ -289,7 +299,7 @@ def test_a_request_whose_prefill_fails_ends_alone(setup, monkeypatch):
 
 
 def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(setup, monkeypatch):
-    from specpilot.core.engine import serve as serve_mod
+    from specpilot.core.engine import scheduler as serve_mod
     from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
@@ -311,7 +321,7 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(s
 def test_no_probe_where_even_the_best_acceptance_would_not_draft():
     """A probe only corrects an acceptance estimate; where verifying t tokens costs t^2 times one, no estimate
     up to ALPHA_MAX makes drafting pay, so the policy never probes (and never feeds the drafter)."""
-    from specpilot.core.engine.serve import ALPHA_MAX, MAX_DEPTH, PROBE_EVERY, best_uniform_depth
+    from specpilot.core.engine.batching import ALPHA_MAX, MAX_DEPTH, PROBE_EVERY, best_uniform_depth
 
     steep = CostTable({(2, t): 10.0 * t * t for t in range(1, MAX_DEPTH + 2)})
     assert best_uniform_depth(steep, 2, ALPHA_MAX) == 0
@@ -333,7 +343,7 @@ class _Counting:
 def test_a_request_never_drafted_for_costs_the_drafter_nothing(setup, monkeypatch):
     """Admission leaves the prompt pending in the drafter: served under a policy that drafts nothing at this
     batch size, the drafter's model never runs, and the tokens are still AR's."""
-    from specpilot.core.engine.serve import MAX_DEPTH
+    from specpilot.core.engine.batching import MAX_DEPTH
 
     engine, prompts, limits, reference, _ = setup
     spec = TreeSpec("static", chain_paths(4))

@@ -25,7 +25,7 @@ from specpilot.core.agents.local.common import flat_width
 from specpilot.core.costmodel import trees
 from specpilot.core.costmodel.profile import NODES, Profile, interpolate, profile, variants
 from specpilot.core.engine import numerics
-from specpilot.core.engine.serve import CostTable, best_uniform_depth
+from specpilot.core.engine.batching import CostTable, best_uniform_depth
 from specpilot.core.engine.tree import static_prefixes
 from specpilot.core.recipe import Recipe, builtin
 

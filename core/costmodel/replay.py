@@ -305,8 +305,7 @@ def replay_for(engine: Engine, recipe: Recipe, traces: list[Trace], made: dict |
 
 def choice_rule(recipe: Recipe) -> Verification:
     """How the target chose for this recipe: seeded recipes seeded, everything else greedy."""
-    v = recipe.verify
-    return Verification(v.sampling, v.temperature, v.top_p, v.seed) if v.sampling == "seeded" else Verification()
+    return Verification.of(recipe.verify, speculative=False)
 
 
 def _copy(traces: list[Trace]) -> list[Trace]:

@@ -62,9 +62,7 @@ class CostTools:
             f"early_exit:{e}" for e in range(1, self.layers)]
         self.bandwidth_gb_s = float(report["probe"]["bandwidth_gb_s"])
         self._prompts, self._limits, self._ids = prompts, limits, request_ids
-        v = incumbent.verify
-        self._verification = (Verification(v.sampling, v.temperature, v.top_p, v.seed) if v.sampling == "seeded"
-                              else Verification())
+        self._verification = Verification.of(incumbent.verify, speculative=False)
         self._traces: list[rp.Trace] | None = None
         self._replays: dict[tuple[str, int], rp.Replay] = {}
         self._lock = threading.RLock()

@@ -58,16 +58,16 @@ core.engine.decode.AcceptanceRule(choices, accept, batched=False)
 choices(logits [B, T, V], trees, ver, req, lengths) -> per-row choices; accept(tree, choice_row, generator)
 -> (accepted node path, bonus token). The output must stay token-identical to autoregressive decoding
 with the same rule (token forcing checks it).''', '''
-from specpilot.core.engine.decode import AcceptanceRule, _accept
+from specpilot.core.engine.decode import AcceptanceRule, accept_path
 from specpilot.core.mechanisms import register
 
 def choices(logits, trees, ver, req, lengths):
     return logits.float().argmax(-1).tolist()
 
-register("acceptance", "greedy_fp32", AcceptanceRule(choices, _accept, batched=True))''', stand_in="greedy")
+register("acceptance", "greedy_fp32", AcceptanceRule(choices, accept_path, batched=True))''', stand_in="greedy")
 
 define_kind("batching", "batching.policy", '''
-fn(policy: core.engine.serve.Policy, alphas: list[float]) -> list[int] | None
+fn(policy: core.engine.batching.Policy, alphas: list[float]) -> list[int] | None
 Per-row chain depths for one continuous-batching step (None = the recipe's tree unchanged). `alphas` are
 the rows' running acceptance estimates; `policy.table` prices steps (verify_ms(rows, tokens), draft[rows]),
 policy.node_budget / token_cap are the recipe's [batching] values.''', '''
@@ -196,8 +196,8 @@ def _rule(name: str) -> Any:
     from specpilot.core.engine import decode
 
     rules = {
-        "greedy": decode.AcceptanceRule(decode.greedy_choices, decode._accept, batched=True),
-        "seeded": decode.AcceptanceRule(decode.seeded_choices, decode._accept, batched=True),
+        "greedy": decode.AcceptanceRule(decode.greedy_choices, decode.accept_path, batched=True),
+        "seeded": decode.AcceptanceRule(decode.seeded_choices, decode.accept_path, batched=True),
         "rejection": decode.AcceptanceRule(decode.rejection_choices, decode._accept_rejection),
     }
     return rules[name]
@@ -226,28 +226,8 @@ for _name, _checks in (("greedy", ()), ("seeded", ()), ("rejection", (_on_a_chai
              constraints=_checks)
 
 
-def _batching(name: str) -> Callable[[Any, list[float]], list[int] | None]:
-    def policy(p: Any, alphas: list[float]) -> list[int] | None:
-        from specpilot.core.engine.serve import allocate, bend, best_uniform_depth
+from specpilot.core.engine import batching  # noqa: E402,F401  registers the batching policies beside their code
 
-        if name == "fixed" or p.table is None:
-            return None
-        n = len(alphas)
-        uniform = best_uniform_depth(p.table, n, sum(alphas) / n, overhead_ms=p.overhead_ms.get(n))
-        if name == "budget":
-            return [uniform] * n
-        if name == "allocate":
-            return allocate(alphas, p.node_budget or n * uniform)
-        cap = p.token_cap or bend(p.table, n)
-        return allocate(alphas, min(cap - n, n * max(uniform, 1)))
-    return policy
-
-
-register("batching", "fixed", _batching("fixed"), "the recipe's tree for every row", builtin=True)
-for _name, _doc in (("budget", "one chain depth for all rows from the measured cost at this batch size"),
-                    ("allocate", "a per-step node budget spread over rows by expected acceptance"),
-                    ("cap", "allocate under a cap on verified tokens at the bend of the cost curve")):
-    register("batching", _name, _batching(_name), _doc, builtin=True, presets=(Preset(f"batch-{_name}"),))
 
 
 def _packed12(model: Any, source: str | None, recipe: Any) -> Any:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 
@@ -29,6 +29,21 @@ from specpilot.core.mechanisms import lookup
 
 class GenerationError(ValueError):
     """A request that cannot be served as asked; the message says what to change."""
+
+
+def misfit(prompt_tokens: int, new_tokens: int, context: int, new_name: str = "max_new_tokens") -> str | None:
+    """Why a request of `prompt_tokens` asking for `new_tokens` more does not fit a context of `context` tokens,
+    in the one wording every layer uses (decoding, the scheduler, the judge's request sets, the HTTP 400, which
+    calls the limit `new_name`); None when it fits."""
+    if prompt_tokens < 1:
+        return "the prompt is empty; give at least one token"
+    if new_tokens < 1:
+        return f"{new_name} is {new_tokens}; ask for at least 1 new token"
+    if prompt_tokens + new_tokens > context:
+        room = max(context - prompt_tokens, 0)
+        return (f"the context is {context} tokens: the prompt has {prompt_tokens} and {new_name} asks for {new_tokens} "
+                f"more, but {room} fit; shorten the prompt or lower {new_name}")
+    return None
 
 
 @dataclass
@@ -74,6 +89,17 @@ class Verification:
     top_p: float = 1.0
     seed: int = 0
 
+    @classmethod
+    def of(cls, verify: Any = None, speculative: bool = True) -> "Verification":
+        """The one reading of a recipe's [verify] section (None: greedy). Speculating, the recipe's own rule.
+        Otherwise the token-exact rule its speculation is measured against, which plain decoding, the forcing
+        reference, acceptance replay and a server's default for sampled requests use: a sampling recipe samples
+        seeded at its temperature, top_p and seed (rejection sampling is exact in distribution only, and seeded
+        sampling is its token-exact counterpart), a greedy one is greedy."""
+        if verify is None or verify.sampling == "greedy":
+            return cls()
+        return cls(verify.sampling if speculative else "seeded", verify.temperature, verify.top_p, verify.seed)
+
 
 Choices = Callable[[torch.Tensor, list[DraftTree], "Verification", torch.Tensor, list[int]], list]
 Accept = Callable[[DraftTree, object, torch.Generator], tuple[list[int], int]]
@@ -98,7 +124,7 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def _accept(tree: DraftTree, choice: list[int], gen: torch.Generator | None = None) -> tuple[list[int], int]:
+def accept_path(tree: DraftTree, choice: list[int], gen: torch.Generator | None = None) -> tuple[list[int], int]:
     """Greedy walk: follow children whose token equals the target's choice; return path and bonus."""
     children = {(tree.parents[i], tree.tokens[i]): i for i in range(1, len(tree))}
     path, node = [], 0
@@ -206,11 +232,8 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
     limits = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
     ctx = target.cfg.max_position_embeddings
     for i, (p, n) in enumerate(zip(prompts, limits)):
-        if not p:
-            raise GenerationError(f"request {i}: empty prompt; give at least one token")
-        if len(p) + n > ctx:
-            raise GenerationError(f"request {i}: prompt of {len(p)} tokens + max_new_tokens {n} exceeds the "
-                                  f"model's context of {ctx} tokens; shorten the prompt or lower max_new_tokens")
+        if why := misfit(len(p), n, ctx):
+            raise GenerationError(f"request {i}: {why}")
     speculative = drafter is not None and spec is not None
     extra = cache_room(spec.max_nodes) if speculative else 2
     max_len = max(len(p) + n for p, n in zip(prompts, limits)) + extra
@@ -243,9 +266,9 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
 
         def draft() -> list[DraftTree]:
             if speculative and draft_length is not None:
-                caps = [_cap(draft_length, spec.depth_limit, recent[b]) for b in range(B)]
+                caps = [draft_depth(draft_length, spec.depth_limit, recent[b]) for b in range(B)]
                 step_spec = spec.shortened(max(c for c, a in zip(caps, active) if a))
-                return [_truncate(t, c) for t, c in zip(drafter.draft(step_spec, mode, active), caps)]
+                return [truncate_tree(t, c) for t, c in zip(drafter.draft(step_spec, mode, active), caps)]
             if speculative:
                 return drafter.draft(spec, mode, active)
             return [DraftTree.root(r) for r in roots]
@@ -272,12 +295,12 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
     return GenerateResult(out, steps, seconds, committed, cache)
 
 
-def _cap(draft_length: DraftLength, depth: int, recent: list[int]) -> int:
+def draft_depth(draft_length: DraftLength, depth: int, recent: list[int]) -> int:
     """The policy's depth for one row, clamped to [1, depth]: a policy shortens drafts, never lengthens them."""
     return max(1, min(depth, int(draft_length(depth, list(recent)))))
 
 
-def _truncate(tree: DraftTree, depth: int) -> DraftTree:
+def truncate_tree(tree: DraftTree, depth: int) -> DraftTree:
     """Keep only the nodes of a drafted tree within `depth` (parents precede children, so a prefix)."""
     if max(tree.depths) <= depth:
         return tree

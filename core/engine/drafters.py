@@ -101,11 +101,14 @@ class ModelDrafter(Drafter):
 
     def __init__(self, model: Transformer) -> None:
         self.model = model
-        self.cache = None
-        self.pending: list[list[int]] = []
-        self.fed: list[dict[int, int]] = []
+        self.cache = None  # the drafter's KV cache over every row (open)
+        self.pending: list[list[int]] = []  # per row: tokens owed to the cache, the last one the next root
+        # what draft() leaves for commit(): the cache view of the rows drafted, the cache position where each
+        # row's drafted nodes begin, and each drafted node's slot from there
+        self.view = None
         self.base: list[int] = []
-        self.drafted = False
+        self.fed: list[dict[int, int]] = []
+        self.drafted = False  # whether a draft awaits its commit
 
     def reset(self, prompts: list[list[int]], max_len: int) -> None:
         self.open(len(prompts), max_len)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -12,7 +13,8 @@ from specpilot.core.engine.config import ModelLoadError
 from specpilot.core.engine.decode import GenerateResult, Verification, generate
 from specpilot.core.engine.drafters import Drafter, ModelDrafter, TreeSpec
 from specpilot.core.engine.model import Transformer
-from specpilot.core.engine.serve import CostTable, Policy, Scheduler, check_fits, drive, measure_costs
+from specpilot.core.engine.batching import CostTable, Policy, measure_costs
+from specpilot.core.engine.scheduler import Scheduler, check_fits, drive
 from specpilot.core.mechanisms import check_recipe, find, lookup
 from specpilot.core.recipe import Recipe, stock
 
@@ -33,6 +35,16 @@ def tree_spec(recipe: Recipe) -> TreeSpec:
     return shape if isinstance(shape, TreeSpec) else TreeSpec("static", [list(p) for p in shape])
 
 
+class ModelKey(NamedTuple):
+    """Which converted copy of a model the engine caches: whose weights (`target` or `drafter`), in which weight
+    format, on which linear backend (`skinny` also as the copy `fused` builds on), in which drafter format."""
+
+    role: str
+    format: str = "native"
+    backend: str = "native"
+    drafter_format: str = "same"
+
+
 class Engine:
     """Holds loaded models and hands out drafters per recipe; `generate` runs one batch."""
 
@@ -44,7 +56,7 @@ class Engine:
         self.target_dir = target_dir
         self.drafter_dir = drafter_dir
         self._drafters: dict[tuple, Drafter] = {}
-        self._models: dict[str, Transformer] = {}
+        self._models: dict[ModelKey, Transformer] = {}
         self._tables: dict[tuple, CostTable] = {}
         for model, where in ((target, target_dir), (drafter_model, drafter_dir)):
             if model is not None and where is not None:  # the checkpoint a model came from (and its GGUF file,
@@ -83,28 +95,33 @@ class Engine:
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         numerics_.check_recipe(self.numerics, fmt, backend)
         self._budget(recipe)
-        if fmt != "native":
+        keys = self._keys(recipe)
+        if keys["target"].format != "native":
             convert = lookup("weight_format", fmt)
-            if self.numerics == "f32":  # under other numerics the target's products are the deployment's own
-                target = self._converted(fmt, lambda: convert(self.target, self.target_dir, recipe))
-            if recipe.weights.drafter and drafter is not None:
-                drafter = self._converted(fmt + ":drafter",
-                                          lambda: convert(self.drafter_model, self.drafter_dir, recipe))
+            target = self._converted(keys["target"], lambda: convert(self.target, self.target_dir, recipe))
+        if drafter is not None and keys["drafter"].format != "native":
+            convert = lookup("weight_format", fmt)
+            drafter = self._converted(keys["drafter"], lambda: convert(self.drafter_model, self.drafter_dir, recipe))
         if backend != "native":
-            target = self._on_backend(fmt, target, backend)
+            target = self._on_backend(keys["target"], target, backend)
             if drafter is not None:
-                drafter = self._on_backend(f"{fmt}:drafter", drafter, backend)
+                drafter = self._on_backend(keys["drafter"], drafter, backend)
         form = recipe.weights.drafter_format
         if form != "same" and drafter is not None:
             exact = drafter
-            drafter = self._converted(self._drafter_key(recipe), lambda: lookup("drafter_format", form)(exact))
+            drafter = self._converted(keys["drafter_format"], lambda: lookup("drafter_format", form)(exact))
         return target, drafter
 
-    @staticmethod
-    def _drafter_key(recipe: Recipe) -> str:
-        """Cache key of the drafter model in the recipe's drafter format."""
-        w = recipe.weights
-        return f"{w.format}:{w.drafter}+{recipe.runtime.linear}:drafter:{w.drafter_format}"
+    def _keys(self, recipe: Recipe) -> dict[str, ModelKey]:
+        """The cache keys of the copies a recipe runs on: the target and the drafter model in the recipe's weight
+        format (as loaded where it does not apply: a q8 target computes on its own blocks, and a drafter is
+        converted only with weights.drafter), on its linear backend, and the drafter in its drafter format."""
+        w, backend = recipe.weights, recipe.runtime.linear
+        target = ModelKey("target", w.format if self.numerics == "f32" else "native")
+        drafter = ModelKey("drafter", w.format if w.drafter else "native")
+        return {"target": target, "drafter": drafter,
+                "target_backend": target._replace(backend=backend),
+                "drafter_format": drafter._replace(backend=backend, drafter_format=w.drafter_format)}
 
     def packed_bytes(self, recipe: Recipe) -> int:
         """Private memory the copies the recipe's mechanisms would build add (those not yet built): each
@@ -124,9 +141,10 @@ class Engine:
         target = sum(m.numel() for m in self.target.matrices())
         drafter = sum(m.numel() for m in self.drafter_model.matrices()) if self.drafter_model is not None else 0
         w, fmt, backend = recipe.weights, recipe.weights.format, recipe.runtime.linear
-        return [("weight_format", fmt, fmt in self._models, target + (drafter if w.drafter else 0)),
-                ("linear_backend", backend, f"{fmt}+{backend}" in self._models, target + drafter),
-                ("drafter_format", w.drafter_format, self._drafter_key(recipe) in self._models, drafter),
+        keys = self._keys(recipe)
+        return [("weight_format", fmt, keys["target"] in self._models, target + (drafter if w.drafter else 0)),
+                ("linear_backend", backend, keys["target_backend"] in self._models, target + drafter),
+                ("drafter_format", w.drafter_format, keys["drafter_format"] in self._models, drafter),
                 ("drafter", recipe.draft.method, self._drafter_cache_key(recipe) in self._drafters, drafter)]
 
     def _budget(self, recipe: Recipe) -> None:
@@ -140,15 +158,17 @@ class Engine:
                             f"{recipe.runtime.linear!r}",
                     "use runtime.linear = 'native' (memory-mapped, shared) or a smaller model")
 
-    def _on_backend(self, key: str, model: Transformer, backend: str) -> Transformer:
+    def _on_backend(self, key: ModelKey, model: Transformer, backend: str) -> Transformer:
         """`model` (cached under `key`) with its projections on `backend`; fused builds on the skinny copy,
         sharing its packed weights."""
         def skinny() -> Transformer:
-            return self._converted(f"{key}+skinny", lambda: lookup("linear_backend", "skinny")(model, None))
+            build = lookup("linear_backend", "skinny")
+            return self._converted(key._replace(backend="skinny"), lambda: build(model, None))
 
-        return self._converted(f"{key}+{backend}", lambda: lookup("linear_backend", backend)(model, skinny))
+        build = lookup("linear_backend", backend)
+        return self._converted(key._replace(backend=backend), lambda: build(model, skinny))
 
-    def _converted(self, key: str, build) -> Transformer:
+    def _converted(self, key: ModelKey, build) -> Transformer:
         if key not in self._models:
             self._models[key] = build()
         return self._models[key]
@@ -173,9 +193,7 @@ class Engine:
         """Run `recipe` (default stock) on a batch; speculative=False is plain autoregressive decoding."""
         recipe = recipe or stock(self.drafter_model is not None)
         target, _ = self.models_for(recipe)
-        v = recipe.verify
-        ver = Verification(v.sampling if speculative or v.sampling == "seeded" else "greedy",
-                           v.temperature, v.top_p, v.seed)
+        ver = Verification.of(recipe.verify, speculative)
         if not speculative:
             return generate(target, None, prompts, max_new_tokens, None, ver, request_ids)
         length = None if recipe.draft.length == "fixed" else lookup("draft_length", recipe.draft.length)
@@ -219,7 +237,7 @@ class Engine:
             target = self.target if recipe is None else self.models_for(recipe)[0]
             return Scheduler(target, None, None, max_batch=max_batch, max_len=max_len)
         target, _ = self.models_for(recipe)
-        b, v = recipe.batching, recipe.verify
+        b = recipe.batching
         length = None if recipe.draft.length == "fixed" else lookup("draft_length", recipe.draft.length)
         if length is not None and b.policy != "fixed":
             from specpilot.core.engine.decode import GenerationError
@@ -230,7 +248,7 @@ class Engine:
             table = self.cost_table(recipe, [max_batch])
         policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap, target.ragged)
         return Scheduler(target, self.drafter_for(recipe), tree_spec(recipe), policy, max_batch, max_len,
-                         Verification(v.sampling, v.temperature, v.top_p, v.seed), length)
+                         Verification.of(recipe.verify), length)
 
     @property
     def device(self) -> torch.device:

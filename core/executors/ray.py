@@ -24,8 +24,8 @@ from typing import Any, Iterator
 from specpilot.core.deployment import Deployment
 from specpilot.core.executors.base import Device, ExecutorError
 from specpilot.core.recipe import Recipe
-from specpilot.core.workers import _LIVE, SECRET_ENV, START_LIMIT_S, Worker, WorkerBase, WorkerError, WorkerTimeout, \
-    deployment_dict, recipe_text
+from specpilot.core.workers import SECRET_ENV, START_LIMIT_S, Worker, WorkerBase, WorkerError, WorkerTimeout, \
+    deployment_dict, recipe_text, track, untrack
 
 REPO = Path(__file__).resolve().parent.parent.parent
 WORKERS_PER_DEVICE = 4  # a device's bundle is shared by its workers: baseline, candidate, incumbent, one dying
@@ -229,7 +229,7 @@ class RayWorker(WorkerBase):
             here, recipe_text(recipe), _plugin_files(workspace), limit_s, start_limit_s)
         self._closed = self._dead = False
         self._starting = True
-        _LIVE.add(self)
+        track(self)
 
     def ready(self) -> "RayWorker":
         """Wait for the actor to be placed and its worker's engine to load; a failure closes it first."""
@@ -289,7 +289,7 @@ class RayWorker(WorkerBase):
         except Exception:  # already dead, or the cluster is gone
             pass
         self._dead = True
-        _LIVE.discard(self)
+        untrack(self)
 
     def close(self) -> None:
         if self._closed:

@@ -12,6 +12,7 @@ import asyncio
 import json
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
@@ -19,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.scheduler import Event
 from specpilot.core.server.engine_loop import EngineLoop
 from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job, parse
@@ -59,6 +61,9 @@ def build_app(state: ServerState) -> FastAPI:
     /health, /metrics)."""
     app = FastAPI(title="specpilot serve", docs_url=None, redoc_url=None, openapi_url=None)
     tok = state.tokenizer
+    # parsing encodes the prompt (a chat template can take milliseconds): off the event loop, on one thread,
+    # since a fast tokenizer is not safe to share between threads
+    encoder = ThreadPoolExecutor(max_workers=1, thread_name_prefix="specpilot-encode")
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:
@@ -110,8 +115,10 @@ def build_app(state: ServerState) -> FastAPI:
                 body = json.loads(await request.body() or b"null")
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ApiError(400, f"the request body is not valid JSON ({exc.msg if hasattr(exc, 'msg') else exc})")
-            job = parse(body, kind, state.model_names, encode, state.context, state.default)
-            job.loop, job.events = asyncio.get_running_loop(), asyncio.Queue()
+            loop = asyncio.get_running_loop()
+            job = await loop.run_in_executor(encoder, parse, body, kind, state.model_names, encode, state.context,
+                                             state.default)
+            job.loop, job.events = loop, asyncio.Queue()
             state.engine.submit(job)
         except ApiError as exc:
             log.warning("%s %s: %s", exc.status, endpoint, exc.message)
@@ -172,7 +179,7 @@ class _Session:
         self.ended = False
         self.prefix = "chatcmpl-" if job.kind == "chat" else "cmpl-"
 
-    async def _next(self) -> tuple[list[int], str | None, str | None] | None:
+    async def _next(self) -> Event | None:
         """The next event, or None once the client has disconnected (the job is then cancelled)."""
         while True:
             try:
@@ -187,9 +194,9 @@ class _Session:
             self.ended = True
             self.state.engine.cancel(self.job)
 
-    def _advance(self, event: tuple[list[int], str | None, str | None]) -> tuple[str, str | None]:
+    def _advance(self, event: Event) -> tuple[str, str | None]:
         """Text released by one event and the finish reason if the answer is complete."""
-        tokens, finish, error = event
+        tokens, finish, error = event.tokens, event.finish, event.error
         if error:
             self.ended = True
             log.error("500 request %s: %s", self.job.rid, error)
@@ -238,18 +245,18 @@ class _Session:
         finally:
             self.cancel()
 
-    async def first(self) -> tuple[list[int], str | None, str | None] | ApiError:
+    async def first(self) -> Event | ApiError:
         """Wait for the first event before the stream opens, so a request that fails at once is a plain 500."""
         event = await self._next()
         if event is None:
             return ApiError(499, "the client disconnected")
-        if event[2]:
+        if event.error:
             self.ended = True
-            log.error("500 request %s: %s", self.job.rid, event[2])
-            return ApiError(500, f"the engine failed on this request: {event[2]}", kind="server_error")
+            log.error("500 request %s: %s", self.job.rid, event.error)
+            return ApiError(500, f"the engine failed on this request: {event.error}", kind="server_error")
         return event
 
-    async def sse(self, first: tuple[list[int], str | None, str | None]) -> AsyncIterator[bytes]:
+    async def sse(self, first: Event) -> AsyncIterator[bytes]:
         """Server-sent events: a role chunk (chat), text chunks, the finish, usage if asked, [DONE]."""
         def data(obj: Any) -> bytes:
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n".encode()
@@ -258,7 +265,7 @@ class _Session:
             if self.job.kind == "chat":
                 yield data(self._envelope([{"index": 0, "delta": {"role": "assistant", "content": ""},
                                             "logprobs": None, "finish_reason": None}], True))
-            event: tuple | None = first
+            event: Event | None = first
             while event is not None:
                 try:
                     chunk, finish = self._advance(event)

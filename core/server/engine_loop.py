@@ -14,8 +14,8 @@ import threading
 import time
 from typing import Callable
 
-from specpilot.core.engine.decode import GenerationError
-from specpilot.core.engine.serve import Scheduler
+from specpilot.core.engine.decode import GenerationError, StepStats
+from specpilot.core.engine.scheduler import Event, Scheduler
 from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job
 
@@ -35,6 +35,7 @@ class EngineLoop:
         self.jobs: dict[int, Job] = {}  # engine id -> job, touched by the engine thread only
         self.last: dict[int, float] = {}  # engine id -> when its previous tokens came
         self.thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
+        scheduler.on_step = self._observe  # a server runs for days: steps go to the metrics, no history is kept
         self.failure: BaseException | None = None
 
     def start(self) -> None:
@@ -61,7 +62,9 @@ class EngineLoop:
         self.inbox.put(("stop", None))
         self.thread.join(timeout)
 
-    def _end(self, job: Job, finish: str | None, error: str | None = None) -> None:
+    def _end(self, job: Job, finish: str | None, error: str | None = None, last: Event | None = None) -> None:
+        """Retire a job; unless it was aborted, its handler gets the finishing event (`last`, the scheduler's
+        own, or an empty one carrying `finish` and `error`)."""
         if job.done:
             return
         job.done = True
@@ -72,14 +75,15 @@ class EngineLoop:
             self.outstanding -= 1
         self.metrics.finished.labels(finish or "abort").inc()
         if finish is not None:
-            self._deliver(job, [], finish, error)
+            self._deliver(job, last or Event(-1 if job.engine_id is None else job.engine_id, [], finish, error))
 
     @staticmethod
-    def _deliver(job: Job, tokens: list[int], finish: str | None, error: str | None) -> None:
+    def _deliver(job: Job, event: Event) -> None:
+        """Hand the scheduler's event to the job's HTTP handler, as itself, on the handler's event loop."""
         if job.loop is None or job.events is None:
             return
         try:
-            job.loop.call_soon_threadsafe(job.events.put_nowait, (tokens, finish, error))
+            job.loop.call_soon_threadsafe(job.events.put_nowait, event)
         except RuntimeError:  # the HTTP loop has closed: nobody is listening any more
             pass
 
@@ -134,13 +138,13 @@ class EngineLoop:
             self.metrics.queue.set(self.sched.waiting)
             self.metrics.running.set(self.sched.in_flight)
 
+    def _observe(self, stats: StepStats) -> None:
+        for gained in stats.accepted:
+            self.metrics.accepted.observe(gained)
+
     def _step(self) -> None:
         events = self.sched.step()
         now = time.perf_counter()
-        for stats in self.sched.steps:
-            for gained in stats.accepted:
-                self.metrics.accepted.observe(gained)
-        self.sched.steps.clear()  # a server runs for days: keep no per-step history
         for ev in events:
             job = self.jobs.get(ev.id)
             if job is None:
@@ -158,6 +162,7 @@ class EngineLoop:
                     for _ in ev.tokens:
                         self.metrics.itl.observe((now - before) / len(ev.tokens))
                 self.last[ev.id] = now
-            self._deliver(job, ev.tokens, None, None)
             if ev.finish:
-                self._end(job, ev.finish)
+                self._end(job, ev.finish, last=ev)
+            else:
+                self._deliver(job, ev)

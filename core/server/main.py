@@ -18,7 +18,7 @@ import uvicorn
 
 from specpilot.core.engine.decode import Verification
 from specpilot.core.engine.ram_budget import require
-from specpilot.core.recipe import Recipe, RecipeError
+from specpilot.core.recipe import Recipe
 from specpilot.core.recipe_source import serving_recipe
 
 log = logging.getLogger("specpilot.serve")
@@ -54,11 +54,9 @@ def build(args: argparse.Namespace):
     if speculative and engine.drafter_model is not None:
         need += kv_bytes(engine.drafter_model, rows, context + 64)
     require(need, f"a KV cache of {rows} rows x {context} tokens", "lower --max-batch or --max-model-len")
-    if recipe is not None and recipe.verify.sampling != "greedy":  # sampled requests are verified seeded
-        default = Verification("seeded", recipe.verify.temperature, recipe.verify.top_p, recipe.verify.seed)
+    default = Verification.of(recipe.verify if recipe is not None else None, speculative=False)
+    if recipe is not None and recipe.verify.sampling != "greedy":  # requests choose: each is verified as it asks
         recipe = recipe.replace(verify={"sampling": "greedy"})
-    else:
-        default = Verification("greedy")
     table = None
     if speculative and recipe.batching.policy != "fixed":  # price steps at the batch sizes a server sees
         log.info("measuring step costs for batching policy %r", recipe.batching.policy)

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from specpilot.core.engine.decode import Verification
+from specpilot.core.engine.decode import Verification, misfit
 
 UNSUPPORTED = ("tools", "tool_choice", "functions", "function_call", "logprobs", "top_logprobs", "logit_bias",
                "presence_penalty", "frequency_penalty", "response_format", "best_of", "echo", "suffix")
@@ -49,7 +49,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
     rid: str = field(default_factory=lambda: secrets.token_hex(12))
     arrived: float = field(default_factory=time.perf_counter)
-    events: asyncio.Queue | None = None  # (tokens, finish, error) tuples, put from the engine thread
+    events: asyncio.Queue | None = None  # the scheduler's Events, put from the engine thread
     loop: asyncio.AbstractEventLoop | None = None
     engine_id: int | None = None  # the scheduler's id once the engine thread has added it
     done: bool = False
@@ -151,12 +151,9 @@ def parse(body: Any, kind: str, model_names: tuple[str, ...], encode, context: i
         raise
     except Exception as exc:  # a chat template that refuses the conversation, a tokenizer error
         raise ApiError(400, f"the prompt could not be encoded: {exc}", "messages" if kind == "chat" else "prompt")
-    room = context - len(prompt_ids)
     if max_tokens is None:
-        max_tokens = room
-    if room < 1 or len(prompt_ids) + max_tokens > context:
-        raise ApiError(400, f"this model's context is {context} tokens; the prompt has {len(prompt_ids)} and "
-                       f"{name} asks for {max_tokens}; shorten the prompt or lower {name}", name,
-                       code="context_length_exceeded")
+        max_tokens = max(context - len(prompt_ids), 1)
+    if why := misfit(len(prompt_ids), max_tokens, context, name):
+        raise ApiError(400, why, name, code="context_length_exceeded")
     return Job(kind, model, prompt_ids, max_tokens, ver, seed_id, stop, stream,
                bool(options.get("include_usage")))

@@ -66,15 +66,19 @@ def block_traits(qtype: int) -> tuple[str, int, int] | None:
 
 def isa(want: str | None = None) -> str:
     """The product's instruction set, "avx512" (where the CPU has AVX-512F) or "avx2"; `want` selects one for
-    the process. Each is exact; their float32 sums are ordered differently (16 lanes against 8)."""
-    global _chunk_rows
+    the process (the library holds the choice). Each is exact; their float32 sums are ordered differently (16
+    lanes against 8)."""
     code = {None: -1, "avx2": 0, "avx512": 1}[want]
     name = "avx512" if library().gguf_isa(code) else "avx2"
-    _chunk_rows = CHUNK_ROWS[name]
+    if want is not None:
+        _chunk_rows.cache_clear()
     return name
 
 
-_chunk_rows: int | None = None  # CHUNK_ROWS of the path in use, kept by isa() (not a C call per product)
+@functools.cache
+def _chunk_rows() -> int:
+    """CHUNK_ROWS of the path in use, asked of the library once per choice (not a C call per product)."""
+    return CHUNK_ROWS[isa()]
 
 
 def available() -> bool:
@@ -144,7 +148,7 @@ class GGUFMatrix:
         if rows.shape[0] >= WIDE_ROWS:
             return self._wide(rows, out).view(*lead, self.n)
         t = threads or self._threads()
-        step = _chunk_rows or CHUNK_ROWS[isa()]
+        step = _chunk_rows()
         for m0 in range(0, rows.shape[0], step):
             m = min(step, rows.shape[0] - m0)
             rc = self.lib.gguf_matmul(rows[m0].data_ptr(), m, self.k, self.raw.data_ptr(), self.n, self.k,

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Train the tiny demo model pair (target + drafter) on the Python standard library.
 
 Reproducible (seeded) and CPU-only. Produces, under ``--out`` (default ``models``):
@@ -15,7 +14,7 @@ Both models are saved in bfloat16 (safetensors) with the tokenizer files, loadab
 
 Usage::
 
-    python scripts/train_demo.py --out models --target-minutes 45 --drafter-minutes 12
+    specpilot train-demo --out models --target-minutes 45 --drafter-minutes 12
 
 Importable: ``main(argv)``, ``HELDOUT_MODULES``, ``corpus_files()``.
 """

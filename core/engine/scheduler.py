@@ -1,0 +1,287 @@
+"""The scheduler: continuous batching with batch-aware speculation; requests join and leave between steps.
+
+`Scheduler` is the one serving path: `add` a request, `step` (admit what fits, one speculative step over every
+row in flight, the new tokens per request, as `Event`s), `abort`. A recipe's scheduler is built in one place,
+`Engine.scheduler`; `drive` runs one over a fixed list (`Engine.serve`, what `bench --batch-sizes` measures), and
+an online server drives the same object from its engine thread.
+Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
+next queued prompt, or by the last active row), so every forward runs on exactly the active batch. How deep
+each row drafts is its batching policy's choice (core/engine/batching.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from specpilot.core.engine.batching import ALPHA_MAX, MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample
+from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
+                                          Verification, cache_room, draft_depth, drafter_room, misfit, step,
+                                          truncate_tree)
+from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
+from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.tree import DraftTree, chain_paths
+from specpilot.core.mechanisms import lookup
+
+
+@dataclass
+class Event:
+    """What one scheduler step did for one request: the tokens it emitted (EOS included, nothing past the
+    request's limit) and, once it is done, why: "stop" (EOS), "length" (max_new_tokens) or "error" (the
+    engine failed on it; `error` says how, and the request is gone). An aborted request gets no event:
+    `abort` ends it at once, in the caller's hands."""
+
+    id: int
+    tokens: list[int]
+    finish: str | None = None
+    error: str | None = None
+
+
+@dataclass
+class _Request:
+    prompt: list[int]
+    limit: int
+    seed_id: int  # the id seeded sampling draws with (a request's tokens depend on it, never on its row)
+    ver: Verification
+    out: list[int] = field(default_factory=list)
+
+
+def mixed_rule(vers: list[Verification]) -> AcceptanceRule:
+    """One acceptance rule for a step whose rows verify differently (greedy beside seeded at its own
+    temperature, top_p and seed): each group of rows gets its own rule's choices from the same forward.
+    Drafting stays in the scheduler's mode for every row: a draft only proposes, so a row whose draft was
+    ranked greedily and verified seeded still emits exactly its seeded tokens."""
+    rules = {v: lookup("acceptance", v.sampling) for v in set(vers)}
+    accepts = {r.accept for r in rules.values()}
+    if len(accepts) != 1:
+        raise GenerationError("requests in flight use acceptance rules that walk trees differently; serve them "
+                              "from separate schedulers")
+
+    def choices(logits: torch.Tensor, trees: list, ver: Verification, req: torch.Tensor, lengths: list[int]) -> list:
+        out: list = [None] * len(trees)
+        for v, rule in rules.items():
+            rows = [b for b, w in enumerate(vers) if w == v]
+            picked = rule.choices(logits[rows], [trees[b] for b in rows], v, req[rows], [lengths[b] for b in rows])
+            for b, c in zip(rows, picked):
+                out[b] = c
+        return out
+
+    return AcceptanceRule(choices, accepts.pop(), batched=True)
+
+
+class Scheduler:
+    """The online form of continuous batching: `add` queues a request, `step` admits queued requests into
+    free rows (prefilling their prompts) and runs one speculative step over every row in flight, `abort`
+    drops a request and frees its row at once. Requests join and leave between steps; a request's tokens
+    do not depend on what else is in flight. Not thread-safe: one thread drives it (the server's engine
+    thread; `serve` below for a fixed list)."""
+
+    def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
+                 policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
+                 verification: Verification | None = None, draft_length: DraftLength | None = None) -> None:
+        self.ver = verification or Verification()
+        self.draft_length = draft_length  # per-row depth caps from recent acceptance, as in generate
+        self.rule = lookup("acceptance", self.ver.sampling)
+        if not self.rule.batched:
+            raise GenerationError(f"continuous batching serves greedy or seeded verification, not "
+                                  f"{self.ver.sampling!r}")
+        self.target, self.spec, self.max_batch = target, spec, max_batch
+        self.policy = policy or Policy()
+        self.speculative = drafter is not None and spec is not None
+        self.drafter = drafter if self.speculative else None
+        self.ctx = target.cfg.max_position_embeddings
+        self.max_len = min(max_len or self.ctx, self.ctx)  # prompt + new tokens a request may take
+        nodes = max(spec.max_nodes, MAX_DEPTH) if self.speculative else 0
+        room = self.max_len + cache_room(nodes)
+        self.eos = set(target.cfg.eos_token_ids)
+        self.cache = target.new_cache(max_batch, room)
+        self._drafter_room = room + drafter_room(nodes)
+        if self.drafter is not None:
+            self.drafter.open(max_batch, self._drafter_room)
+        self.queue: list[int] = []
+        self.requests: dict[int, _Request] = {}
+        self.rows: list[int] = []  # request id per cache row, rows packed from 0
+        self.lengths: list[int] = []
+        self.roots: list[int] = []
+        self.alphas: list[float] = []
+        self.recent: list[list[int]] = []  # per row: tokens gained in its last steps (the draft-length policy's input)
+        self.steps: list[StepStats] = []  # every step's statistics, unless a hook takes them instead
+        self.on_step: Callable[[StepStats], None] | None = None  # e.g. a server's metrics: it keeps no history
+        self._next_id = 0
+        self._chain_specs: dict[int, TreeSpec] = {}
+
+    def add(self, prompt: list[int], max_new_tokens: int, seed_id: int | None = None,
+            verification: Verification | None = None) -> int:
+        """Queue a request; returns its id. A prompt that does not fit with its new tokens is refused.
+        `verification` (default the scheduler's) lets one request sample seeded at its own temperature,
+        top_p and seed beside greedy ones: only batched rules (greedy, seeded) are served."""
+        ver = verification or self.ver
+        if not lookup("acceptance", ver.sampling).batched:
+            raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
+        if why := misfit(len(prompt), max_new_tokens, self.max_len):
+            raise GenerationError(why)
+        rid = self._next_id
+        self._next_id += 1
+        self.requests[rid] = _Request(list(prompt), max_new_tokens, rid if seed_id is None else seed_id, ver)
+        self.queue.append(rid)
+        return rid
+
+    def abort(self, rid: int) -> bool:
+        """Drop a queued or running request, freeing its row now; False if it is not (or no longer) here."""
+        if rid in self.queue:
+            self.queue.remove(rid)
+            del self.requests[rid]
+            return True
+        if rid in self.rows:
+            self._free(self.rows.index(rid))
+            return True
+        return False
+
+    @property
+    def in_flight(self) -> int:
+        return len(self.rows)
+
+    @property
+    def waiting(self) -> int:
+        return len(self.queue)
+
+    def idle(self) -> bool:
+        return not self.rows and not self.queue
+
+    def step(self) -> list[Event]:
+        """Admit what fits, then one step over every row: each request's new tokens, and those that ended.
+        A request whose prefill fails ends with an "error" event alone; a failed step ends every request in
+        flight that way (their caches are no longer trustworthy) and the scheduler serves on."""
+        t0 = time.perf_counter()
+        failed: list[Event] = []
+        with torch.inference_mode():
+            while self.queue and len(self.rows) < self.max_batch:
+                rid = self.queue.pop(0)
+                try:
+                    self._admit(rid)
+                except Exception as exc:  # one request's failure must not stop the others
+                    del self.requests[rid]
+                    failed.append(Event(rid, [], "error", f"{type(exc).__name__}: {exc}"))
+            if not self.rows:
+                return failed
+            try:
+                return failed + self._step(t0)
+            except Exception as exc:
+                return failed + self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _fail_all(self, why: str) -> list[Event]:
+        events = [Event(rid, [], "error", why) for rid in self.rows]
+        for rid in self.rows:
+            del self.requests[rid]
+        for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
+            lst.clear()
+        if self.drafter is not None:
+            self.drafter.open(self.max_batch, self._drafter_room)
+        return events
+
+    def _admit(self, rid: int) -> None:
+        prompt = self.requests[rid].prompt
+        self.target.prefill_row(self.cache, len(self.rows), prompt[:-1])
+        if self.drafter is not None:
+            self.drafter.admit(prompt)
+        self.rows.append(rid)
+        self.lengths.append(len(prompt) - 1)
+        self.roots.append(prompt[-1])
+        self.alphas.append(PRIOR_ACCEPTANCE)
+        self.recent.append([])
+
+    def _step(self, t0: float) -> list[Event]:
+        n, ver, spec = len(self.rows), self.ver, self.spec
+        view = self.cache.view(n)
+        req_ids = torch.tensor([self.requests[r].seed_id for r in self.rows])
+        depths = self.policy.depths(self.alphas) if self.speculative else None
+
+        def draft() -> list[DraftTree]:
+            if not self.speculative or (depths is not None and max(depths) == 0):
+                return [DraftTree.root(r) for r in self.roots]
+            step_spec, caps = spec, depths
+            if depths is not None:
+                step_spec = self._chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
+            elif self.draft_length is not None:
+                caps = [draft_depth(self.draft_length, spec.depth_limit, self.recent[b]) for b in range(n)]
+                step_spec = spec.shortened(max(caps))
+            trees = self.drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
+                                                            req_ids), [True] * n)
+            return trees if caps is None else [truncate_tree(t, d) for t, d in zip(trees, caps)]
+
+        if self.speculative and (depths is None or max(depths) > 0):
+            self.drafter.catch_up()  # admitted prompts and undrafted tokens: owed work, not this step's drafting
+        vers = [self.requests[r].ver for r in self.rows]
+        rule = self.rule if all(v == ver for v in vers) else mixed_rule(vers)
+        taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, rule, req_ids, self.lengths, None)
+        events, done = [], []
+        for b in range(n):
+            self.roots[b] = taken.emitted[b][-1]
+            self.recent[b] = (self.recent[b] + [len(taken.emitted[b])])[-16:]
+            drafted = max(taken.trees[b].depths)
+            if drafted:
+                seen = acceptance_sample(len(taken.paths[b]), drafted)
+                self.alphas[b] = 0.7 * self.alphas[b] + 0.3 * min(ALPHA_MAX, max(0.05, seen))
+            req = self.requests[self.rows[b]]
+            new, finish = [], None
+            for t in taken.emitted[b]:
+                new.append(t)
+                req.out.append(t)
+                if t in self.eos or len(req.out) >= req.limit:
+                    finish = "stop" if t in self.eos else "length"
+                    break
+            events.append(Event(self.rows[b], new, finish))
+            if finish:
+                done.append(b)
+        for b in sorted(done, reverse=True):
+            self._free(b)
+        t5 = time.perf_counter()
+        if depths is not None:
+            self.policy.observe(depths, (t5 - taken.start) * 1e3)
+        stats = taken.stats((taken.start - t0 + t5 - taken.end) * 1e3)
+        if self.on_step is not None:
+            self.on_step(stats)
+        else:
+            self.steps.append(stats)
+        return events
+
+    def _free(self, b: int) -> None:
+        """Row b leaves: the last row moves into it, so the rows in flight stay packed from 0."""
+        last = len(self.rows) - 1
+        del self.requests[self.rows[b]]
+        if b != last:
+            self.cache.move_row(last, b)
+            if self.drafter is not None:
+                self.drafter.move(last, b)
+            for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
+                lst[b] = lst[last]
+        for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
+            lst.pop()
+        if self.drafter is not None:
+            self.drafter.drop_last()
+
+
+def check_fits(target: Transformer, prompts: list[list[int]], limits: list[int]) -> None:
+    """Refuse, naming the request, a list in which one prompt with its new tokens exceeds the context."""
+    ctx = target.cfg.max_position_embeddings
+    for i, (p, n) in enumerate(zip(prompts, limits)):
+        if why := misfit(len(p), n, ctx):
+            raise GenerationError(f"request {i}: {why}")
+
+
+def drive(sched: Scheduler, prompts: list[list[int]], limits: list[int],
+          request_ids: list[int] | None = None) -> GenerateResult:
+    """A fixed list of requests through a scheduler, all added at once; outputs in request order."""
+    ids = request_ids if request_ids is not None else list(range(len(prompts)))
+    start = time.perf_counter()
+    order = {sched.add(p, n, i): k for k, (p, n, i) in enumerate(zip(prompts, limits, ids))}
+    outputs: list[list[int]] = [[] for _ in prompts]
+    while not sched.idle():
+        for ev in sched.step():
+            if ev.error:
+                raise GenerationError(f"request {ids[order[ev.id]]}: {ev.error}")
+            outputs[order[ev.id]].extend(ev.tokens)
+    return GenerateResult(outputs, sched.steps, time.perf_counter() - start)
