@@ -7,7 +7,7 @@ and stop are plain calls on the `LoopHandle`; their failures come back as one-li
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import os
 import threading
 from argparse import Namespace
@@ -18,8 +18,9 @@ from textual.message import Message
 
 from specpilot.core.events import DecisionRefused, Event, LoopHandle
 
-FAKE_CORE_ENV = "SPECPILOT_FAKE_CORE"
-"""Testing hook: when set, the app drives tests/fake_core.py instead of core.loop."""
+LOOP_FACTORY_ENV = "SPECPILOT_LOOP_FACTORY"
+"""`MODULE:CALLABLE`, importable: when set, the app drives what that callable returns (a LoopHandle) instead of
+core.loop. The tmux tests name their scripted core with it (tests/ on PYTHONPATH); the package ships none."""
 
 
 class CoreEvent(Message):
@@ -64,8 +65,8 @@ def one_line(exc: BaseException) -> str:
 
 def build_handle(args: Namespace) -> LoopHandle:
     """The live loop for the parsed options (imported lazily); raises LoopUnavailable."""
-    if os.environ.get(FAKE_CORE_ENV):
-        return _fake_core()
+    if os.environ.get(LOOP_FACTORY_ENV):
+        return _named_loop(os.environ[LOOP_FACTORY_ENV])
     try:
         from specpilot.core.loop import build_loop
     except Exception as exc:
@@ -77,15 +78,15 @@ def build_handle(args: Namespace) -> LoopHandle:
         raise LoopUnavailable(f"cannot start the loop: {one_line(exc)}") from None
 
 
-def _fake_core() -> LoopHandle:
-    """tests/fake_core.py's scripted core (tmux end-to-end tests only)."""
-    path = Path(__file__).resolve().parents[1] / "tests" / "fake_core.py"
-    spec = importlib.util.spec_from_file_location("specpilot_fake_core", path)
-    if spec is None or spec.loader is None or not path.is_file():
-        raise LoopUnavailable(f"{FAKE_CORE_ENV} is set but {path} is missing")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.FakeCore(delay=float(os.environ.get("SPECPILOT_FAKE_DELAY", "0.02")))
+def _named_loop(spec: str) -> LoopHandle:
+    """The LoopHandle `MODULE:CALLABLE` returns (see LOOP_FACTORY_ENV); raises LoopUnavailable in one line."""
+    module_name, _, attr = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise LoopUnavailable(f"{LOOP_FACTORY_ENV}={spec!r} names nothing importable ({one_line(exc)}); "
+                              "give MODULE:CALLABLE") from None
+    return factory()
 
 
 def open_store(path: str | os.PathLike[str]) -> StoreLike:

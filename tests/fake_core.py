@@ -10,6 +10,7 @@ non-waiting candidate raises DecisionRefused.
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -237,6 +238,12 @@ class FakeCore:
         self.events.append(event)
         assert self._emit is not None
         self._emit(event)
+
+
+def from_env() -> "FakeCore":
+    """The scripted core the tmux tests start the dashboard on (SPECPILOT_LOOP_FACTORY=fake_core:from_env), paced
+    by SPECPILOT_FAKE_DELAY seconds per event."""
+    return FakeCore(delay=float(os.environ.get("SPECPILOT_FAKE_DELAY", "0.02")))
 
 
 def record(rounds: int = 2, until_awaiting: bool = False) -> list[Event]:

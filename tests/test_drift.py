@@ -161,7 +161,7 @@ def test_the_loop_measures_the_drift_once_and_reuses_it(monkeypatch):
 @pytest.fixture()
 def isolated_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("SPECPILOT_FAKE_CORE", raising=False)
+    monkeypatch.delenv("SPECPILOT_LOOP_FACTORY", raising=False)
 
 
 def gaps_panel_lines(events: list[Any]) -> list[list[str]]:

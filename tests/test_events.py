@@ -28,7 +28,7 @@ from specpilot.core.store.db import Store
 def isolated_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The dashboard's settings in a temporary folder, never the user's."""
     monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(tmp_path / "config"))
-    monkeypatch.delenv("SPECPILOT_FAKE_CORE", raising=False)
+    monkeypatch.delenv("SPECPILOT_LOOP_FACTORY", raising=False)
 
 
 SAMPLES: list[ev.EventBody] = [

@@ -42,7 +42,7 @@ def isolated_settings(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """Settings in a temporary folder; colour allowed."""
     monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(tmp_path / "config"))
     monkeypatch.delenv("NO_COLOR", raising=False)
-    monkeypatch.delenv("SPECPILOT_FAKE_CORE", raising=False)
+    monkeypatch.delenv("SPECPILOT_LOOP_FACTORY", raising=False)
     return tmp_path / "config" / "settings.json"
 
 

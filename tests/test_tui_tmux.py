@@ -1,7 +1,7 @@
 """End to end under tmux at 80x24: the installed specpilot-tui, driven by keys, read by capture-pane.
 
-The app runs the scripted fake core (SPECPILOT_FAKE_CORE=1, a testing-only hook in app/bridge.py);
-once the real loop exists the same test can run against it with the demo deployment.
+The app runs the scripted fake core, named by SPECPILOT_LOOP_FACTORY=fake_core:from_env with tests/ on
+PYTHONPATH (app/bridge.py); the package itself ships no test double.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ pytestmark = pytest.mark.skipif(not Path(TMUX).exists(), reason="tmux is not ins
 
 
 def tui_command() -> list[str]:
-    """This checkout's dashboard (an installed entry point may belong to another checkout)."""
-    return ["env", f"PYTHONPATH={ROOT}", sys.executable, "-m", "specpilot.app.app"]
+    """This checkout's dashboard (an installed entry point may belong to another checkout), with tests/ importable
+    for the scripted core."""
+    return ["env", f"PYTHONPATH={ROOT}{os.pathsep}{ROOT / 'tests'}", sys.executable, "-m", "specpilot.app.app"]
 
 
 def tmux(*args: str) -> str:
@@ -67,7 +68,8 @@ def wait_for_gone(session: str, needle: str, timeout: float = 10.0) -> None:
 def test_live_dashboard_under_tmux(tmp_path: Path) -> None:
     session = f"specpilot-tui-test-{os.getpid()}"
     status = tmp_path / "status"
-    env = {"SPECPILOT_FAKE_CORE": "1", "SPECPILOT_CONFIG_DIR": str(tmp_path / "config"), "TERM": "xterm-256color"}
+    env = {"SPECPILOT_LOOP_FACTORY": "fake_core:from_env", "SPECPILOT_CONFIG_DIR": str(tmp_path / "config"),
+           "TERM": "xterm-256color"}
     command = (f"cd {shlex.quote(str(ROOT))} && env {' '.join(f'{k}={shlex.quote(v)}' for k, v in env.items())} "
                f"{shlex.join(tui_command() + ['--db', str(tmp_path / 'store.db')])}; echo $? > {shlex.quote(str(status))}")
     tmux("new-session", "-d", "-s", session, "-x", "80", "-y", "24", command)
