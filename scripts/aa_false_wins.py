@@ -8,15 +8,13 @@ interval, and the share judged a win (the tuning gate alone; a real win must als
 import json
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specpilot.core import workload  # noqa: E402
-from specpilot.core.deployment import Deployment  # noqa: E402
-from specpilot.core.engine import gguf_checkpoint  # noqa: E402
-from specpilot.core.fetch import fetch  # noqa: E402
-from specpilot.core.judge import Judge, JudgeRequest  # noqa: E402
-from specpilot.core.recipe import builtin  # noqa: E402
+from specpilot.core import workload
+from specpilot.core.deployment import Deployment
+from specpilot.core.engine import gguf_checkpoint
+from specpilot.core.fetch import fetch
+from specpilot.core.judge import Judge, JudgeRequest
+from specpilot.core.recipe import builtin
 
 
 def requests(target: str, which: str, n: int, new_tokens: int) -> list[JudgeRequest]:

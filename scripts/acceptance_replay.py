@@ -9,10 +9,9 @@ import json
 import sys
 import time
 
-from real_pair import load
-
 from specpilot.core.costmodel import replay as rp
 from specpilot.core.engine.drafters import TreeSpec
+from specpilot.core.real_pair import load
 from specpilot.core.recipe import builtin
 
 SHAPES = [("chain", 4, None), ("chain", 6, None), ("chain", 8, None),

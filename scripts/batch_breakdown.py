@@ -8,8 +8,7 @@ import json
 import sys
 import time
 
-from real_pair import load
-
+from specpilot.core.real_pair import load
 from specpilot.core.recipe import builtin
 
 

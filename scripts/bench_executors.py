@@ -30,7 +30,6 @@ CONFIGS = {
 
 def phases(db: Path) -> dict:
     """Seconds of the round and of its judging state, and how many candidates were judged."""
-    sys.path.insert(0, str(ROOT))
     from specpilot.core.store import Store
 
     store = Store(db, read_only=True)

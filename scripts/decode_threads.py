@@ -5,8 +5,7 @@ import statistics
 import sys
 import time
 
-from real_pair import load
-
+from specpilot.core.real_pair import load
 from specpilot.core.recipe import builtin
 
 

@@ -2,7 +2,7 @@
 `specpilot fetch qwen-coder`; needs no network).
 
 Quality of the q8 numerics, beside llama.cpp's, on the real target (Qwen2.5-Coder-1.5B-Instruct GGUF) and the
-first coding_chat requests through its chat template (scripts/real_pair.py), everything on 1 thread:
+first coding_chat requests through its chat template (core/real_pair.py), everything on 1 thread:
 (a) our q8 plain (AR) greedy decoding's tokens; (b) llama.cpp's greedy tokens on the same GGUF file and the
 same templated prompt token ids (llama-server's native /completion, top_k 1, no prompt cache; its prompt is
 checked to be exactly ours: same token count evaluated, so no extra BOS); (c) the drift of each from
@@ -21,9 +21,8 @@ import time
 import urllib.error
 import urllib.request
 
-from real_pair import load
-
 from specpilot.core.costmodel.drift import drift, load_f32_reference
+from specpilot.core.real_pair import load
 
 LLAMA_SERVER = "/work/peer/llama_cpp_python-0.3.36/vendor/llama.cpp/build/bin/llama-server"
 

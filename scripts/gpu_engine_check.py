@@ -20,14 +20,13 @@ import time
 import traceback
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
+import torch
 
-from specpilot.core import bench  # noqa: E402
-from specpilot.core.batchbench import run_batched  # noqa: E402
-from specpilot.core.deployment import Deployment  # noqa: E402
-from specpilot.core.recipe import BatchingSection, RecipeError, builtin  # noqa: E402
+from specpilot.core import bench
+from specpilot.core.batchbench import run_batched
+from specpilot.core.deployment import Deployment
+from specpilot.core.recipe import BatchingSection, RecipeError, builtin
 
 
 def recipes(policies: tuple[str, ...] = ("budget",)) -> list:

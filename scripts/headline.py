@@ -28,7 +28,6 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 SPECPILOT = str(REPO / ".venv" / "bin" / "specpilot")
 
 

@@ -18,9 +18,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from specpilot.kernels.build import compiled  # noqa: E402
-from specpilot.kernels.cpu import gguf_blocks as gb  # noqa: E402
+from specpilot.kernels.build import compiled
+from specpilot.kernels.cpu import gguf_blocks as gb
 
 PREFETCH = "                    for (long b = 0; b < span; b += 64) _mm_prefetch(next + b, _MM_HINT_T0);\n"
 ROWS = ("                rows[r] = j->w + (n0 + r < j->n ? n0 + r : n0) * j->row_bytes; "

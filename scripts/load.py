@@ -24,7 +24,6 @@ import urllib.request
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 WORKLOAD = REPO / "workloads" / "coding_chat.jsonl"
 
 

@@ -11,8 +11,7 @@ import re
 import subprocess
 import sys
 
-from real_pair import decode_seconds, load
-
+from specpilot.core.real_pair import decode_seconds, load
 from specpilot.core.recipe import builtin
 
 NEW = 128

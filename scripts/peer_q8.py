@@ -10,8 +10,7 @@ import json
 import statistics
 import subprocess
 
-from real_pair import decode_seconds, load
-
+from specpilot.core.real_pair import decode_seconds, load
 from specpilot.core.recipe import resolve
 
 

@@ -5,8 +5,7 @@ batching with one request in flight costs what single-request generation costs."
 import sys
 import time
 
-from real_pair import load
-
+from specpilot.core.real_pair import load
 from specpilot.core.recipe import builtin
 
 

@@ -1,19 +1,15 @@
-"""The real pair for scripts, loaded one way: `from real_pair import load` (run scripts as `python scripts/X.py`).
+"""The real pair for the benchmark scripts, loaded one way: `from specpilot.core.real_pair import load`.
 
 Paths come from `specpilot fetch qwen-coder` (a second fetch returns the cached files at once), requests from
-workloads/coding_chat.jsonl through the target's chat template, and the engine holds both models."""
+the shipped workloads/coding_chat.jsonl through the target's chat template, and the engine holds both models."""
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parent.parent
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+from specpilot.core.deployment import ROOT
 
-WORKLOAD = REPO / "workloads" / "coding_chat.jsonl"
+WORKLOAD = ROOT / "workloads" / "coding_chat.jsonl"
 
 
 @dataclass
