@@ -136,6 +136,17 @@ def test_bad_completion_bodies_get_openai_errors_and_the_server_serves_on(demo, 
     assert r.choices[0].text
 
 
+def test_a_prompt_that_exactly_fits_is_served_and_one_token_more_gets_a_400_saying_what_fits(demo):
+    context = demo.client().models.list().data[0].max_model_len
+    m = 8
+    fits = [5 + i % 50 for i in range(context - m)]
+    r = demo.client().completions.create(model="demo", prompt=fits, max_tokens=m, temperature=0)
+    assert r.usage.prompt_tokens == context - m and r.usage.completion_tokens >= 1
+    code, answer = demo.post("/v1/completions", {"model": "demo", "prompt": fits + [7], "max_tokens": m})
+    assert code == 400 and answer["error"]["code"] == "context_length_exceeded"
+    assert f"but {m - 1} fit" in answer["error"]["message"], answer["error"]["message"]
+
+
 def test_bad_chat_bodies(demo):
     c = demo.client()
     for kwargs in ({"messages": []}, {"messages": [{"role": "user", "content": "hi"}], "tools": [

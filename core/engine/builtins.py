@@ -18,9 +18,10 @@ from specpilot.core.mechanisms import Needs, Preset, define_kind, register
 define_kind("drafter", "draft.method", '''
 fn(engine, recipe, target, drafter_model) -> core.engine.drafters.Drafter
 Builds the drafter for a recipe: `target` and `drafter_model` are the loaded Transformers (drafter_model
-may be None) with the recipe's weight format and linear backend applied. A Drafter implements reset,
-draft(spec, mode, active) -> list[DraftTree], commit, and for batching open/admit/move/drop_last
-(subclass ModelDrafter or NgramDrafter and override what you change).''', '''
+may be None) with the recipe's weight format and linear backend applied. A Drafter (an abstract class; its
+docstring gives the lifecycle) implements open/admit/draft(spec, mode, active) -> list[DraftTree]/commit/
+move/drop_last, and catch_up where it owes its model work (subclass ModelDrafter or NgramDrafter and
+override what you change).''', '''
 from specpilot.core.engine.drafters import NgramDrafter
 from specpilot.core.mechanisms import register
 

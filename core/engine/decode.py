@@ -278,21 +278,40 @@ def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[in
             taken = step(target, cache, draft, drafter if speculative else None, [b for b in range(B) if active[b]],
                          ver, rule, req, lengths, gen)
             for b, toks in zip(taken.rows, taken.emitted):
-                recent[b] = (recent[b] + [len(toks)])[-16:]
+                recent[b] = remember(recent[b], len(toks))
                 committed[b].append(roots[b])
                 committed[b].extend(toks[:-1])
                 roots[b] = toks[-1]
-            for b, toks in zip(taken.rows, taken.emitted):
-                for t in toks:
-                    out[b].append(t)
-                    if t in eos or len(out[b]) >= limits[b]:
-                        active[b] = False
-                        break
+                _, finish = emit(toks, out[b], limits[b], eos)
+                active[b] = finish is None
             t4 = time.perf_counter()
             steps.append(taken.stats((t4 - taken.end + taken.start - t_prev) * 1e3))
             t_prev = t4
         seconds = time.perf_counter() - start
     return GenerateResult(out, steps, seconds, committed, cache)
+
+
+RECENT_STEPS = 16  # how many of a row's last steps a draft-length policy sees
+
+
+def remember(recent: list[int], gained: int) -> list[int]:
+    """A row's recent window of tokens gained per step, with this step's `gained` added."""
+    return (recent + [gained])[-RECENT_STEPS:]
+
+
+def emit(tokens: list[int], out: list[int], limit: int, eos: set[int]) -> tuple[list[int], str | None]:
+    """Append one step's tokens to a request's output up to where it ends: at an EOS (kept; "stop") or at its
+    `limit` of new tokens ("length"). Returns the tokens appended and why it ended (None: it goes on). Both
+    generation paths end requests by this one rule."""
+    new = []
+    for t in tokens:
+        new.append(t)
+        out.append(t)
+        if t in eos:
+            return new, "stop"
+        if len(out) >= limit:
+            return new, "length"
+    return new, None
 
 
 def draft_depth(draft_length: DraftLength, depth: int, recent: list[int]) -> int:

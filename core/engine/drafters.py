@@ -6,6 +6,7 @@ forward per depth (never one per node); `ngram` looks the context up for earlier
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
 import torch
@@ -62,38 +63,56 @@ class DraftMode:
     generator: torch.Generator | None = None
 
 
-class Drafter:
-    """Interface: reset for new prompts, draft trees, then commit what the target accepted."""
+class Drafter(ABC):
+    """What proposes tokens for the target to verify: one tree per cache row, rooted at the row's pending
+    token. Its lifecycle, as llama.cpp's common/speculative.h writes begin/draft/accept:
+
+        open(max_batch, max_len)    start with room for `max_batch` rows and none admitted
+        admit(prompt) -> row        take a request into the next row; its prompt may wait for catch_up
+        catch_up()                  feed what admitted rows still owe before a step that drafts
+        draft(spec, mode, active)   one tree per row (a root alone for an inactive row)
+        commit(rows, paths, tokens) keep what the target accepted in the rows stepped, bonus token included
+        move(src, dst), drop_last() a finished request leaves: the last row moves into its place
+
+    `reset(prompts, max_len)` is open, admit each prompt, and catch up on all of them: a fixed batch. Only
+    what is committed may change a drafter's state for later steps; a draft that is not committed leaves
+    nothing behind. Drafts only propose, so no drafter can change what the target emits."""
 
     def reset(self, prompts: list[list[int]], max_len: int) -> None:
-        raise NotImplementedError
+        """Serve exactly `prompts`, one per row, with their prompts fed (drafting starts at the first step)."""
+        self.open(len(prompts), max_len)
+        for p in prompts:
+            self.admit(p)
+        self.catch_up(least=1)
 
-    def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
-        raise NotImplementedError
-
-    def commit(self, rows: list[int], paths: list[list[int]], tokens: list[list[int]]) -> None:
-        """`paths[i]` are accepted node ids (root excluded) of row rows[i]; `tokens[i]` their tokens + bonus."""
-        raise NotImplementedError
-
+    @abstractmethod
     def open(self, max_batch: int, max_len: int) -> None:
-        """Start serving with room for `max_batch` requests and no request admitted yet."""
-        raise NotImplementedError
+        """Start serving with room for `max_batch` requests of up to `max_len` positions, none admitted."""
 
+    @abstractmethod
     def admit(self, prompt: list[int]) -> int:
         """Add a request in the next free row; returns the row."""
-        raise NotImplementedError
-
-    def move(self, src: int, dst: int) -> None:
-        """Move a request from row `src` to row `dst` (the caller then drops the last row)."""
-        raise NotImplementedError
-
-    def drop_last(self) -> None:
-        raise NotImplementedError
 
     def catch_up(self, least: int = CATCH_UP) -> None:
         """Feed what admitted requests still owe the drafter's model (their prompts, tokens emitted while
         nothing was drafted) before a step that drafts, so the step's own timing holds drafting alone. A
         drafter that owes nothing (prompt lookup) keeps this no-op."""
+
+    @abstractmethod
+    def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
+        """One tree per row in the shape of `spec`, picked as `mode` says; rows not `active` get their root."""
+
+    @abstractmethod
+    def commit(self, rows: list[int], paths: list[list[int]], tokens: list[list[int]]) -> None:
+        """`paths[i]` are accepted node ids (root excluded) of row rows[i]; `tokens[i]` their tokens + bonus."""
+
+    @abstractmethod
+    def move(self, src: int, dst: int) -> None:
+        """Move a request from row `src` to row `dst` (the caller then drops the last row)."""
+
+    @abstractmethod
+    def drop_last(self) -> None:
+        """Forget the last row."""
 
 
 class ModelDrafter(Drafter):
@@ -109,12 +128,6 @@ class ModelDrafter(Drafter):
         self.base: list[int] = []
         self.fed: list[dict[int, int]] = []
         self.drafted = False  # whether a draft awaits its commit
-
-    def reset(self, prompts: list[list[int]], max_len: int) -> None:
-        self.open(len(prompts), max_len)
-        for p in prompts:
-            self.admit(p)
-        self.catch_up(least=1)  # generate drafts from its first step: the prompts are its prefill
 
     def open(self, max_batch: int, max_len: int) -> None:
         if self.cache is None or self.cache.batch != max_batch or self.cache.max_len < max_len:
@@ -169,7 +182,7 @@ class ModelDrafter(Drafter):
         return idx.tolist(), vals.tolist()
 
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
-        self.catch_up()
+        self.catch_up()  # rows that owe many tokens (a drafter skipped for some steps) are fed alone first
         model = self.model
         B = len(self.pending)
         cache = self.view = self.cache.view(B)
@@ -342,11 +355,6 @@ class NgramDrafter(Drafter):
         self.max_n = max_n
         self.context: list[list[int]] = []
         self.index: list[dict[tuple[int, ...], list[int]]] = []
-
-    def reset(self, prompts: list[list[int]], max_len: int) -> None:
-        self.open(len(prompts), max_len)
-        for p in prompts:
-            self.admit(p)
 
     def open(self, max_batch: int, max_len: int) -> None:
         self.context = []

@@ -19,8 +19,8 @@ import torch
 
 from specpilot.core.engine.batching import ALPHA_MAX, MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample
 from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
-                                          Verification, cache_room, draft_depth, drafter_room, misfit, step,
-                                          truncate_tree)
+                                          Verification, cache_room, draft_depth, drafter_room, emit, misfit,
+                                          remember, step, truncate_tree)
 from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
 from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.tree import DraftTree, chain_paths
@@ -220,19 +220,13 @@ class Scheduler:
         events, done = [], []
         for b in range(n):
             self.roots[b] = taken.emitted[b][-1]
-            self.recent[b] = (self.recent[b] + [len(taken.emitted[b])])[-16:]
+            self.recent[b] = remember(self.recent[b], len(taken.emitted[b]))
             drafted = max(taken.trees[b].depths)
             if drafted:
                 seen = acceptance_sample(len(taken.paths[b]), drafted)
                 self.alphas[b] = 0.7 * self.alphas[b] + 0.3 * min(ALPHA_MAX, max(0.05, seen))
             req = self.requests[self.rows[b]]
-            new, finish = [], None
-            for t in taken.emitted[b]:
-                new.append(t)
-                req.out.append(t)
-                if t in self.eos or len(req.out) >= req.limit:
-                    finish = "stop" if t in self.eos else "length"
-                    break
+            new, finish = emit(taken.emitted[b], req.out, req.limit, self.eos)
             events.append(Event(self.rows[b], new, finish))
             if finish:
                 done.append(b)
