@@ -43,7 +43,8 @@ def _run(site: Path, cwd: Path, *args: str) -> subprocess.CompletedProcess:
 
 def test_the_installed_package_resolves_its_own_demo(installed, tmp_path):
     probe = ("import specpilot.core.deployment as d, specpilot.core.demo_training as t; "
-             "print(d.__file__); print(d.DEMO_TARGET.is_dir() and d.DEMO_DRAFTER.is_dir() and d.DEMO_WORKLOAD.is_file());"
+             "print(d.__file__); "
+             "print(d.DEMO_TARGET.is_dir() and d.DEMO_DRAFTER.is_dir() and d.DEMO_WORKLOAD.is_file()); "
              "print(bool(t.HELDOUT_MODULES))")
     out = _run(installed, tmp_path, "-c", probe)
     assert out.returncode == 0, out.stderr

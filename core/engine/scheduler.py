@@ -77,7 +77,7 @@ class Scheduler:
     free rows (prefilling their prompts) and runs one speculative step over every row in flight, `abort`
     drops a request and frees its row at once. Requests join and leave between steps; a request's tokens
     do not depend on what else is in flight. Not thread-safe: one thread drives it (the server's engine
-    thread; `serve` below for a fixed list)."""
+    thread; `drive` below for a fixed list)."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
                  policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
