@@ -47,6 +47,24 @@ class CostTable:
 
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
+    source: str = ""  # where the prices came from, said to the user: measured now, or the file they were read from
+
+    def to_dict(self) -> dict:
+        """The prices as JSON-able lists (core/engine/cost_store.py keeps them per deployment)."""
+        return {"verify": [[r, t, ms] for (r, t), ms in sorted(self.verify.items())],
+                "draft": [[r, ms] for r, ms in sorted(self.draft.items())]}
+
+    @classmethod
+    def from_dict(cls, data: dict, source: str = "") -> "CostTable":
+        """The table `to_dict` wrote; ValueError on anything else."""
+        try:
+            verify = {(int(r), int(t)): float(ms) for r, t, ms in data["verify"]}
+            draft = {int(r): float(ms) for r, ms in data["draft"]}
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"not a cost table ({type(exc).__name__}: {exc})") from None
+        if not verify or any(ms <= 0 for ms in [*verify.values(), *draft.values()]):
+            raise ValueError("not a cost table (no prices, or a price that is not positive)")
+        return cls(verify, draft, source)
 
     def verify_ms(self, rows: int, tokens: int) -> float:
         """Measured cost, or for an unmeasured batch size the nearest measured one scaled by rows."""

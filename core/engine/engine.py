@@ -8,6 +8,7 @@ from typing import NamedTuple
 
 import torch
 
+from specpilot.core.engine import cost_store
 from specpilot.core.engine import numerics as numerics_
 from specpilot.core.engine.config import ModelLoadError
 from specpilot.core.engine.decode import GenerateResult, Verification, generate
@@ -200,22 +201,40 @@ class Engine:
         return generate(target, self.drafter_for(recipe), prompts, max_new_tokens, tree_spec(recipe), ver,
                         request_ids, draft_length=length)
 
-    def cost_table(self, recipe: Recipe, batch_sizes: list[int]) -> CostTable:
+    def cost_table(self, recipe: Recipe, batch_sizes: list[int], stored: bool = False,
+                   remeasure: bool = False) -> CostTable:
         """The batching policies' step prices for this recipe's target (weights, linear backend) and drafter
-        (none for n-gram lookup), measured once per batch size and cached."""
+        (none for n-gram lookup), measured once per batch size and cached in this engine. `stored`: also kept
+        on disk per deployment and machine (core/engine/cost_store.py), so the next process reads them instead
+        of measuring; `remeasure` measures again regardless. `source` says which happened."""
         target, _ = self.models_for(recipe)
         drafter = self.drafter_for(recipe)
         d = recipe.draft
         key = (recipe.weights.format, recipe.weights.drafter, recipe.weights.drafter_format, recipe.runtime.linear,
                d.method, d.exit_layer)
-        table = self._tables.setdefault(key, CostTable())
+        identity = self._cost_identity(key, target)
+        if remeasure:
+            self._tables.pop(key, None)
+        if key not in self._tables:
+            self._tables[key] = (cost_store.load(identity) if stored and not remeasure else None) or CostTable()
+        table = self._tables[key]
         missing = sorted(set(batch_sizes) - {r for r, _ in table.verify})
         if missing:
             model = drafter.model if isinstance(drafter, ModelDrafter) else None
             measured = measure_costs(target, model, missing)
             table.verify.update(measured.verify)
             table.draft.update(measured.draft)
+            table.source = "measured now"
+            if stored:
+                table.source = f"measured now, kept in {cost_store.save(identity, table)}"
         return table
+
+    def _cost_identity(self, key: tuple, target: Transformer) -> dict:
+        """Everything a step's cost depends on (see core/engine/cost_store.py)."""
+        files = [str(Path(p).resolve()) if p else None for p in (self.target_dir, self.drafter_dir)]
+        return {"target": files[0], "drafter": files[1], "numerics": self.numerics, "dtype": str(target.dtype),
+                "device": str(target.device), "recipe": list(key), "cpu": cost_store.cpu_model(),
+                "threads": torch.get_num_threads(), "torch": torch.__version__}
 
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
               table: CostTable | None = None, request_ids: list[int] | None = None,

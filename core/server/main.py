@@ -59,8 +59,9 @@ def build(args: argparse.Namespace):
         recipe = recipe.replace(verify={"sampling": "greedy"})
     table = None
     if speculative and recipe.batching.policy != "fixed":  # price steps at the batch sizes a server sees
-        log.info("measuring step costs for batching policy %r", recipe.batching.policy)
-        table = engine.cost_table(recipe, sorted({b for b in (1, 2, 4, 8, 16, rows) if b <= rows}))
+        table = engine.cost_table(recipe, sorted({b for b in (1, 2, 4, 8, 16, rows) if b <= rows}), stored=True,
+                                  remeasure=args.remeasure)
+        log.info("step costs for batching policy %r: %s", recipe.batching.policy, table.source)
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     warm_up(engine, recipe, speculative, tokenizer)
     sched = engine.scheduler(recipe, rows, context, table, speculative=speculative)

@@ -1,0 +1,70 @@
+"""Step costs kept per deployment, so that a server prices its batching policy's steps in seconds.
+
+Measuring a recipe's step costs (batching.measure_costs) takes minutes on a CPU, and the answer depends only on
+what runs and where: the target and drafter files, the numerics and dtype, the recipe's weight formats, linear
+backend and drafter, the device, the CPU model and the thread count. Those are the identity a table is kept
+under, as JSON in `$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/ folder). A table that is
+missing, unreadable or corrupt is measured again and rewritten, never trusted; `specpilot serve --remeasure`
+measures again on purpose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+
+from specpilot.core.engine.batching import CostTable
+from specpilot.kernels import cache_dir
+
+log = logging.getLogger("specpilot.costs")
+
+
+def costs_dir() -> Path:
+    """Where cost tables live."""
+    return Path(os.environ.get("SPECPILOT_COSTS_DIR") or cache_dir() / "costs")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (lscpu's), which a table measured on another CPU must not be reused for."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def path_for(identity: dict) -> Path:
+    """The file of the table measured for `identity` (every field that changes a step's cost)."""
+    digest = hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:20]
+    return costs_dir() / f"{digest}.json"
+
+
+def load(identity: dict) -> CostTable | None:
+    """The stored table for `identity`, or None (none stored, or one that is unreadable: it is measured again)."""
+    path = path_for(identity)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+        if data.get("identity") != identity:
+            raise ValueError("it was measured for another deployment")
+        return CostTable.from_dict(data["table"], source=str(path))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        log.warning("step costs in %s are unusable (%s); measuring them again", path, exc)
+        return None
+
+
+def save(identity: dict, table: CostTable) -> Path:
+    """Write `table` for `identity` whole (a temporary file renamed over the old one) and return its path."""
+    path = path_for(identity)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({"identity": identity, "table": table.to_dict()}, indent=1))
+    os.replace(tmp, path)
+    return path

@@ -1,0 +1,105 @@
+"""Step costs kept per deployment (core/engine/cost_store.py): a second process reads them instead of measuring,
+says where they came from, measures again on --remeasure or when the file is corrupt or belongs to another
+deployment, and the policies price steps the same from a kept table as from a measured one."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import specpilot.core.engine.engine as engine_module
+from specpilot.core.engine import Engine, cost_store
+from specpilot.core.engine.batching import CostTable
+from specpilot.core.recipe import Recipe
+
+RECIPE = Recipe.from_dict({"draft": {"method": "ngram"}, "batching": {"policy": "budget"}})
+
+
+@pytest.fixture
+def counted(monkeypatch, tmp_path):
+    """Cost tables kept under tmp_path; every measurement counted (one repeat: prices, not benchmarks)."""
+    monkeypatch.setenv("SPECPILOT_COSTS_DIR", str(tmp_path / "costs"))
+    calls = []
+    real = engine_module.measure_costs
+
+    def measure(target, drafter, batch_sizes, *args, **kwargs):
+        calls.append(list(batch_sizes))
+        return real(target, drafter, batch_sizes, repeats=1)
+
+    monkeypatch.setattr(engine_module, "measure_costs", measure)
+    return calls
+
+
+def test_a_second_engine_reads_the_kept_table_and_says_so(tiny_pair, counted, tmp_path):
+    target_dir, drafter_dir, _ = tiny_pair
+    first = Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1, 2], stored=True)
+    assert counted == [[1, 2]] and first.source.startswith("measured now, kept in ")
+    kept = list((tmp_path / "costs").glob("*.json"))
+    assert len(kept) == 1 and str(kept[0]) in first.source
+    second = Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1, 2], stored=True)
+    assert counted == [[1, 2]], "the kept table was measured again"
+    assert second.source == str(kept[0]) and second.verify == first.verify and second.draft == first.draft
+    third = Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1, 2, 4], stored=True)
+    assert counted == [[1, 2], [4]] and (4, 1) in third.verify  # only what is missing is measured
+    Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1, 2], stored=True, remeasure=True)
+    assert counted == [[1, 2], [4], [1, 2]]
+
+
+def test_unstored_tables_touch_no_file(tiny_pair, counted, tmp_path):
+    target_dir, drafter_dir, _ = tiny_pair
+    table = Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1])
+    assert table.source == "measured now" and not (tmp_path / "costs").exists()
+
+
+@pytest.mark.parametrize("damage", ["not json", "other deployment", "negative price", "empty"])
+def test_a_corrupt_or_foreign_table_is_measured_again_and_rewritten(tiny_pair, counted, damage):
+    target_dir, drafter_dir, _ = tiny_pair
+    Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1], stored=True)
+    path = next(cost_store.costs_dir().glob("*.json"))
+    data = json.loads(path.read_text())
+    if damage == "not json":
+        path.write_text("{not json")
+    elif damage == "other deployment":
+        data["identity"]["cpu"] = "another CPU"
+        path.write_text(json.dumps(data))
+    elif damage == "negative price":
+        data["table"]["verify"][0][2] = -1.0
+        path.write_text(json.dumps(data))
+    else:
+        path.write_text("")
+    table = Engine.load(target_dir, drafter_dir).cost_table(RECIPE, [1], stored=True)
+    assert counted == [[1], [1]] and table.source.startswith("measured now")
+    assert CostTable.from_dict(json.loads(path.read_text())["table"]).verify == table.verify
+
+
+def test_the_identity_separates_what_changes_a_price(tiny_pair):
+    target_dir, drafter_dir, _ = tiny_pair
+    engine = Engine.load(target_dir, drafter_dir)
+    target, _ = engine.models_for(RECIPE)
+    a = engine._cost_identity(("native", False, "same", "native", "ngram", 0), target)
+    b = engine._cost_identity(("native", False, "same", "native", "model", 0), target)
+    assert cost_store.path_for(a) != cost_store.path_for(b)
+    assert a["cpu"] == cost_store.cpu_model() and a["threads"] >= 1 and a["numerics"] == "f32"
+
+
+def test_serve_reads_its_kept_costs_on_the_second_start_and_remeasures_when_asked(monkeypatch, tmp_path):
+    from serve_helpers import Server
+
+    from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
+
+    monkeypatch.setenv("SPECPILOT_COSTS_DIR", str(tmp_path / "costs"))
+    args = ("--target", str(DEMO_TARGET), "--drafter", str(DEMO_DRAFTER), "--recipe", "batch-budget",
+            "--max-batch", "2")
+    logs = []
+    for extra in ((), (), ("--remeasure",)):
+        server = Server(*args, *extra)
+        with server:
+            r = server.client().completions.create(model=server.client().models.list().data[0].id,
+                                                   prompt="def add(a, b):", max_tokens=4, temperature=0)
+            assert r.choices[0].text
+        logs.append(server.log.decode())
+    kept = next((tmp_path / "costs").glob("*.json"))
+    assert f"step costs for batching policy 'budget': measured now, kept in {kept}" in logs[0], logs[0]
+    assert f"step costs for batching policy 'budget': {kept}" in logs[1], logs[1]
+    assert "measured now, kept in" in logs[2], logs[2]
