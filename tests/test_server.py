@@ -127,6 +127,50 @@ BAD = [
 ]
 
 
+def test_sixteen_streams_a_third_of_them_abandoned(demo_reference):
+    """16 streaming clients at once, every third one closing its stream after a few chunks: every other request
+    gets exactly the text it gets alone (transformers' greedy text), every request is accounted for as finished
+    or aborted, and no row or queue slot is left held."""
+    import random
+
+    tok, ref = demo_reference
+    rng = random.Random(7)
+    leave_after = {i: rng.randint(1, 3) for i in range(16) if i % 3 == 0}
+    with Server("--target", str(DEMO_TARGET), "--drafter", str(DEMO_DRAFTER), "--recipe", "stock",
+                "--max-batch", "8", "--max-queue", "16", "--served-model-name", "demo") as server:
+
+        def one(i: int) -> str | None:
+            stream = server.client().completions.create(model="demo", prompt=PROMPTS[i % 8], stream=True,
+                                                        max_tokens=LENGTHS[i % 8] if i not in leave_after else 200,
+                                                        temperature=0)
+            text = []
+            for n, chunk in enumerate(stream):
+                text.append(chunk.choices[0].text)
+                if n + 1 == leave_after.get(i):
+                    stream.close()  # the client goes away mid-stream
+                    return None
+            return "".join(text)
+
+        with cf.ThreadPoolExecutor(16) as pool:
+            got = list(pool.map(one, range(16)))
+        for i, text in enumerate(got):
+            assert (text is None) == (i in leave_after)
+            if text is not None:
+                assert text == ref[i % 8], i
+        deadline = time.monotonic() + 30
+        while True:
+            m = server.metrics()
+            finished = sum(v for (name, _), v in m.items() if name == "specpilot_finished_requests_total")
+            if finished == 16 or time.monotonic() > deadline:
+                break
+            time.sleep(0.2)
+        assert finished == 16, m
+        assert m[("specpilot_finished_requests_total", (("reason", "abort"),))] >= 1
+        assert m[("specpilot_requests_in_flight", ())] == 0 and m[("specpilot_queue_depth", ())] == 0
+        r = server.client().completions.create(model="demo", prompt=PROMPTS[0], max_tokens=LENGTHS[0], temperature=0)
+        assert r.choices[0].text == ref[0]
+
+
 @pytest.mark.parametrize("what,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_completion_bodies_get_openai_errors_and_the_server_serves_on(demo, what, body, status):
     code, answer = demo.post("/v1/completions", body)
