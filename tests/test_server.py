@@ -171,6 +171,38 @@ def test_sixteen_streams_a_third_of_them_abandoned(demo_reference):
         assert r.choices[0].text == ref[0]
 
 
+def test_sigterm_with_sixteen_in_flight_and_sixteen_queued(demo_reference):
+    """SIGTERM while 16 requests decode and 16 wait for a row: the 16 in flight finish whole, the 16 queued get
+    503, and the process exits 0."""
+    with Server("--target", str(DEMO_TARGET), "--drafter", str(DEMO_DRAFTER), "--recipe", "stock",
+                "--max-batch", "16", "--max-queue", "16", "--grace", "120", "--served-model-name", "demo") as server:
+        started = cf.ThreadPoolExecutor(32)
+
+        def one(i: int) -> str | int:
+            try:
+                stream = server.client().completions.create(
+                    model="demo", prompt=PROMPTS[i % 8], stream=True, max_tokens=400, temperature=0)
+                chunks = list(stream)
+            except openai.APIStatusError as exc:
+                return exc.status_code
+            assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+            return "".join(c.choices[0].text for c in chunks)
+
+        futures = [started.submit(one, i) for i in range(32)]
+        deadline = time.monotonic() + 60
+        while True:
+            m = server.metrics()
+            if m[("specpilot_requests_in_flight", ())] == 16 and m[("specpilot_queue_depth", ())] == 16:
+                break
+            assert time.monotonic() < deadline, m
+            time.sleep(0.05)
+        assert server.stop(signal.SIGTERM, timeout=120) == 0
+        got = [f.result(timeout=120) for f in futures]
+    finished = [g for g in got if isinstance(g, str)]
+    assert len(finished) == 16 and all(finished), got
+    assert sorted(g for g in got if not isinstance(g, str)) == [503] * 16
+
+
 @pytest.mark.parametrize("what,body,status", BAD, ids=[b[0] for b in BAD])
 def test_bad_completion_bodies_get_openai_errors_and_the_server_serves_on(demo, what, body, status):
     code, answer = demo.post("/v1/completions", body)

@@ -129,6 +129,10 @@ class Scheduler:
         self.queue.append(rid)
         return rid
 
+    def is_queued(self, rid: int) -> bool:
+        """Whether request `rid` waits for a row (added, not yet admitted)."""
+        return rid in self.queue
+
     def abort(self, rid: int) -> bool:
         """Drop a queued or running request, freeing its row now; False if it is not (or no longer) here."""
         if rid in self.queue:

@@ -21,7 +21,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from specpilot.core.engine.decode import Verification
 from specpilot.core.engine.scheduler import Event
-from specpilot.core.server.engine_loop import EngineLoop
+from specpilot.core.server.engine_loop import UNAVAILABLE, EngineLoop
 from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job, parse
 from specpilot.core.server.text import TextStream
@@ -197,6 +197,9 @@ class _Session:
     def _advance(self, event: Event) -> tuple[str, str | None]:
         """Text released by one event and the finish reason if the answer is complete."""
         tokens, finish, error = event.tokens, event.finish, event.error
+        if finish == UNAVAILABLE:
+            self.ended = True
+            raise ApiError(503, error or "the server is shutting down", kind="service_unavailable")
         if error:
             self.ended = True
             log.error("500 request %s: %s", self.job.rid, error)
@@ -250,6 +253,9 @@ class _Session:
         event = await self._next()
         if event is None:
             return ApiError(499, "the client disconnected")
+        if event.finish == UNAVAILABLE:
+            self.ended = True
+            return ApiError(503, event.error or "the server is shutting down", kind="service_unavailable")
         if event.error:
             self.ended = True
             log.error("500 request %s: %s", self.job.rid, event.error)

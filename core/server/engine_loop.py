@@ -20,6 +20,7 @@ from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job
 
 SHUTDOWN = "the server is shutting down and this request did not finish within its grace period"
+UNAVAILABLE = "unavailable"  # the finish of a queued request turned away by a draining server (HTTP 503)
 
 
 class EngineLoop:
@@ -57,6 +58,11 @@ class EngineLoop:
 
     def abort_all(self, why: str = SHUTDOWN) -> None:
         self.inbox.put(("abort_all", why))
+
+    def turn_away_queued(self, why: str) -> None:
+        """End every request accepted but not yet running (a server that drains finishes only those in flight);
+        their handlers answer 503 with `why`."""
+        self.inbox.put(("turn_away_queued", why))
 
     def stop(self, timeout: float = 10.0) -> None:
         self.inbox.put(("stop", None))
@@ -107,6 +113,10 @@ class EngineLoop:
             for job in list(self.jobs.values()):
                 self.sched.abort(job.engine_id)
                 self._end(job, "error", arg)
+        elif cmd == "turn_away_queued":
+            for job in [j for j in self.jobs.values() if self.sched.is_queued(j.engine_id)]:
+                self.sched.abort(job.engine_id)
+                self._end(job, UNAVAILABLE, arg)
         elif cmd == "stop":
             return False
         return True

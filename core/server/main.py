@@ -1,7 +1,7 @@
 """`specpilot serve`: load a deployment and a stored recipe, start the engine thread, serve HTTP on uvicorn.
 
-Shutdown drains: the first SIGTERM or SIGINT turns new requests away with 503 while the requests in flight
-finish, for at most `--grace` seconds; what is still running then ends with an error event, and the process
+Shutdown drains: the first SIGTERM or SIGINT turns new and queued requests away with 503 while the requests in
+flight finish, for at most `--grace` seconds; what is still running then ends with an error event, and the process
 exits 0. A second signal exits at once.
 """
 
@@ -120,6 +120,8 @@ class DrainingServer(uvicorn.Server):
             return
         self.state.draining = True
         self.deadline = time.monotonic() + self.grace
+        self.state.engine.turn_away_queued("the server is shutting down and this request had not started; send it "
+                                           "to another replica")
         log.info("%s: draining %d requests (at most %.0f s)", signal.Signals(sig).name,
                  self.state.engine.outstanding, self.grace)
 
