@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -155,7 +156,10 @@ def _first_sigint_aborts(loop):
     def handler(_signum: int, _frame: object) -> None:
         signal.signal(signal.SIGINT, signal.default_int_handler)
         print(f"specpilot: interrupted; stopping {loop.waiting_for} (Ctrl-C again to force)", file=sys.stderr)
-        loop.abort("interrupted (SIGINT)")
+        # on its own thread: the handler runs between two bytecodes of the main thread, which may be inside a
+        # store write, and abort writes to the store too
+        threading.Thread(target=loop.abort, args=("interrupted (SIGINT)",), name="specpilot-sigint",
+                         daemon=True).start()
 
     previous = signal.signal(signal.SIGINT, handler)
     try:

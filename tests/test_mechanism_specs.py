@@ -13,7 +13,7 @@ import torch
 from specpilot.core import mechanisms
 from specpilot.core.agents.base import AgentContext, Candidate
 from specpilot.core.agents.local import WeightFormatAgent
-from specpilot.core.costmodel.profile import variant_key
+from specpilot.core.costmodel.profile import drafter_variant_key, variant_key
 from specpilot.core.costmodel.tools import CostTools
 from specpilot.core.engine import Engine
 from specpilot.core.engine.drafters import NgramDrafter
@@ -109,6 +109,10 @@ def test_the_cost_model_and_the_agents_price_the_toys(toys: None, tiny_pair: Any
     # a toy kernel twice as fast as the stock one's measured curve (halving the toy's own noisy curve could
     # still leave it slower on a loaded machine)
     tools.profile.backend_curves["toy16"] = {n: ms / 2 for n, ms in native.items()}
+    # and its drafter priced as stock's: under load the toy drafter's own noisy curve could outweigh the gain
+    drafters = tools.profile.drafter_backend_curves
+    if drafter_variant_key(stock) in drafters:
+        drafters["toy16"] = drafters[drafter_variant_key(stock)]
     assert tools.predict(toy) > tools.predict(stock)
     assert WeightFormatAgent.applies({"profile": {"backend_curves": {"toy16": curve}}}) is None
     ctx = AgentContext(deployment={"device": "cpu"}, recipe=stock, cost_report={}, memory=[], direction="verify",
