@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 
 from specpilot.core.agents.base import AgentContext, AgentFailure, Candidate
-from specpilot.core.agents.local import (BatchingAgent, DraftLengthAgent, DrafterChoiceAgent, DrafterFormatAgent,
-                                         MemoryAgent, RuntimeAgent, TreeShapeAgent, WeightFormatAgent, draft_nodes)
+from specpilot.core.agents.local import (DraftLengthAgent, DrafterChoiceAgent, DrafterFormatAgent, MemoryAgent,
+                                         RuntimeAgent, TreeShapeAgent, WeightFormatAgent, draft_nodes)
 from specpilot.core.agents.local.common import flat_width
 from specpilot.core.costmodel import trees
 from specpilot.core.costmodel.profile import NODES, Profile, interpolate, profile, variants
