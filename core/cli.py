@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
 import threading
@@ -17,7 +16,7 @@ from specpilot.core.deployment import Deployment
 from specpilot.core.fetch import DEPLOYMENTS, fetch
 from specpilot.core.recipe import resolve
 from specpilot.core.recipe_source import (best_run, finished_rounds, incumbent, open_store, recipes_from_spec,
-                                          run_incumbent)
+                                          run_incumbent, store_path)
 from specpilot.core.store import Store, StoreError
 from specpilot.core.workload import encode, load, split
 
@@ -122,15 +121,12 @@ def serve_options(p: argparse.ArgumentParser) -> None:
 
 
 def db_path(args: argparse.Namespace) -> str:
-    return args.db or os.environ.get("SPECPILOT_DB") or "store.db"
+    return store_path(args.db)
 
 
-def _store(args: argparse.Namespace):
-    """The store, opened read-only: these commands never write (it works on a read-only filesystem)."""
-    path = db_path(args)
-    if not Path(path).is_file():
-        raise FileNotFoundError(f"no store at {path}; run `specpilot run` first or pass --db PATH")
-    return Store(path, read_only=True)
+def _store(args: argparse.Namespace) -> Store:
+    """The store, opened read-only: these commands never write."""
+    return open_store(args.db, args.command)[0]
 
 
 def _when(epoch: float | None) -> str:

@@ -64,14 +64,19 @@ def run_incumbent(run_id: int, deployment: Deployment | None, db: str | None) ->
     return incumbent(store, run_id)
 
 
+def store_path(db: str | None) -> str:
+    """The store a command means: `db`, else $SPECPILOT_DB, else ./store.db."""
+    return db or os.environ.get("SPECPILOT_DB") or "store.db"
+
+
 def open_store(db: str | None, what: str) -> tuple[Store, str]:
-    """The store at `db` (or $SPECPILOT_DB, or ./store.db), read-only; a missing file is a one-line error."""
+    """The store at store_path(db), read-only (it works on a read-only filesystem); a missing file is a
+    one-line error."""
     from specpilot.core.store import Store  # lazily: SQLModel takes a third of a second to import
 
-    path = db or os.environ.get("SPECPILOT_DB") or "store.db"
+    path = store_path(db)
     if not Path(path).is_file():
-        raise FileNotFoundError(f"{what}: no store at {path}; run `specpilot run` on this deployment first "
-                                "or pass --db PATH")
+        raise FileNotFoundError(f"{what}: no store at {path}; run `specpilot run` first or pass --db PATH")
     return Store(path, read_only=True), path
 
 

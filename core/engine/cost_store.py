@@ -2,10 +2,10 @@
 
 Measuring a recipe's step costs (batching.measure_costs) takes minutes on a CPU, and the answer depends only on
 what runs and where: the target and drafter files, the numerics and dtype, the recipe's weight formats, linear
-backend and drafter, the device, the CPU model and the thread count. Those are the identity a table is kept
-under, as JSON in `$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/ folder). A table that is
-missing, unreadable or corrupt is measured again and rewritten, never trusted; `specpilot serve --remeasure`
-measures again on purpose.
+backend and drafter, the device and its model (the GPU's, or the CPU's) and the thread count. Those are the
+identity a table is kept under, as JSON in `$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/
+folder). A table that is missing, unreadable or corrupt is measured again and rewritten, never trusted;
+`specpilot serve --remeasure` measures again on purpose.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ import logging
 import os
 import platform
 from pathlib import Path
+
+import torch
 
 from specpilot.core.engine.batching import CostTable
 from specpilot.kernels import cache_dir
@@ -37,6 +39,13 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def device_name(device: str) -> str:
+    """The model of the processor a step runs on: the GPU's for a CUDA device, else the CPU's."""
+    if str(device).startswith("cuda"):
+        return torch.cuda.get_device_name(device)
+    return cpu_model()
 
 
 def path_for(identity: dict) -> Path:

@@ -233,7 +233,7 @@ class Engine:
         """Everything a step's cost depends on (see core/engine/cost_store.py)."""
         files = [str(Path(p).resolve()) if p else None for p in (self.target_dir, self.drafter_dir)]
         return {"target": files[0], "drafter": files[1], "numerics": self.numerics, "dtype": str(target.dtype),
-                "device": str(target.device), "recipe": list(key), "cpu": cost_store.cpu_model(),
+                "device": str(target.device), "recipe": list(key), "cpu": cost_store.device_name(str(target.device)),
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
