@@ -277,14 +277,14 @@ def test_a_request_whose_prefill_fails_ends_alone(setup, monkeypatch):
     engine, prompts, limits, reference, _ = setup
     sched = engine.scheduler(builtin("stock"), max_batch=3, max_len=64)
     poison = prompts[4]
-    real = type(engine.target).prefill_row
+    real = type(engine.target).extend_row
 
     def prefill(self, cache, row, tokens):
-        if list(tokens) == poison[:-1]:
+        if list(tokens) == poison[:-1] and self is sched.target:
             raise RuntimeError("out of memory (injected)")
         return real(self, cache, row, tokens)
 
-    monkeypatch.setattr(type(engine.target), "prefill_row", prefill)
+    monkeypatch.setattr(type(engine.target), "extend_row", prefill)
     ids = {sched.add(prompts[k], limits[k], seed_id=k): k for k in (3, 4, 5)}
     out: dict[int, list[int]] = {3: [], 5: []}
     errors = []

@@ -31,14 +31,14 @@ def served():
     sched = engine.scheduler(builtin("stock"), 4, 256)
     target = sched.target
     poison = tok.encode(POISON)[:-1]
-    real = target.prefill_row
+    real = target.extend_row
 
     def prefill(cache, row, tokens):
         if list(tokens) == poison:
             raise RuntimeError("injected failure")
         return real(cache, row, tokens)
 
-    target.prefill_row = prefill
+    target.extend_row = prefill
     loop = EngineLoop(sched, Metrics(), 8)
     state = ServerState(loop, tok, ("demo",), 256, Verification("greedy"), set(target.cfg.eos_token_ids),
                         target.cfg.vocab_size, loop.metrics)
@@ -55,7 +55,7 @@ def served():
     server.should_exit = True
     thread.join(10)
     loop.stop()
-    target.prefill_row = real
+    target.extend_row = real
 
 
 def test_a_request_failing_in_the_engine_gets_500_alone(served):

@@ -54,6 +54,8 @@ class StepStats:
     host_ms: float
     nodes: int
     accepted: list[int]
+    prefill_ms: float = 0.0  # prompt chunks prefilled in the same scheduler step (not in host_ms)
+    prefilled: int = 0  # their tokens
 
 
 @dataclass
@@ -70,7 +72,8 @@ class GenerateResult:
 
     def summary(self) -> dict:
         accepted = [a for s in self.steps for a in s.accepted]
-        phases = {k: sum(getattr(s, k) for s in self.steps) for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms")}
+        phases = {k: sum(getattr(s, k) for s in self.steps) for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms",
+                                                                            "prefill_ms")}
         return {
             "new_tokens": self.new_tokens,
             "seconds": self.seconds,

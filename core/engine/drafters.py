@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.prefix_cache import PrefixCache
 from specpilot.core.engine.sampling import filtered, seeded_scores
 from specpilot.core.engine.tree import DraftTree, static_prefixes
 
@@ -98,6 +99,10 @@ class Drafter(ABC):
         nothing was drafted) before a step that drafts, so the step's own timing holds drafting alone. A
         drafter that owes nothing (prompt lookup) keeps this no-op."""
 
+    def reuse_prefixes(self, cache: PrefixCache) -> None:
+        """Keep the KV blocks of what rows were fed in `cache` and start rows from them, as the target does with
+        its own. A drafter without a KV cache (prompt lookup) has nothing to keep."""
+
     @abstractmethod
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
         """One tree per row in the shape of `spec`, picked as `mode` says; rows not `active` get their root."""
@@ -128,6 +133,7 @@ class ModelDrafter(Drafter):
         self.base: list[int] = []
         self.fed: list[dict[int, int]] = []
         self.drafted = False  # whether a draft awaits its commit
+        self.prefix: PrefixCache | None = None
 
     def open(self, max_batch: int, max_len: int) -> None:
         if self.cache is None or self.cache.batch != max_batch or self.cache.max_len < max_len:
@@ -152,8 +158,17 @@ class ModelDrafter(Drafter):
         with torch.inference_mode():
             for row, owed in enumerate(self.pending):
                 if len(owed) > least:
-                    self.model.extend_row(self.cache, row, owed[:-1])
+                    feed = owed[:-1]
+                    fresh = self.prefix is not None and int(self.cache.lengths[row]) == 0
+                    if fresh:
+                        feed = feed[self.prefix.load(self.cache, row, self.prefix.match(feed)):]
+                    self.model.extend_row(self.cache, row, feed)
+                    if fresh:
+                        self.prefix.store(self.cache, row, owed[:-1])
                     self.pending[row] = owed[-1:]
+
+    def reuse_prefixes(self, cache: PrefixCache) -> None:
+        self.prefix = cache
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)

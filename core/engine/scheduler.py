@@ -7,6 +7,13 @@ an online server drives the same object from its engine thread.
 Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
 next queued prompt, or by the last active row), so every forward runs on exactly the active batch. How deep
 each row drafts is its batching policy's choice (core/engine/batching.py).
+
+With a token budget (`token_budget`, vLLM's max_num_batched_tokens) a step takes the decode and verify rows of
+the running requests first and then chunks of waiting prompts up to the budget, as vLLM's chunked prefill does:
+a long prompt is prefilled over several steps while the requests already decoding keep decoding. At most one
+prompt is part-way at a time, in the row after the running ones. With a prefix cache (core/engine/prefix_cache.py)
+a prompt starts from the cached blocks it begins with. Under q8 both are exact: every position computes the
+same bits however its prompt was cut, so the tokens equal those of a prompt prefilled at once.
 """
 
 from __future__ import annotations
@@ -23,6 +30,7 @@ from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateR
                                           remember, step, truncate_tree)
 from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
 from specpilot.core.engine.model import Transformer
+from specpilot.core.engine.prefix_cache import BLOCK, PrefixCache
 from specpilot.core.engine.tree import DraftTree, chain_paths
 from specpilot.core.mechanisms import lookup
 
@@ -47,6 +55,14 @@ class _Request:
     seed_id: int  # the id seeded sampling draws with (a request's tokens depend on it, never on its row)
     ver: Verification
     out: list[int] = field(default_factory=list)
+
+
+@dataclass
+class _Partial:
+    """The prompt being prefilled over several steps: its request and how many of its tokens the row holds."""
+
+    rid: int
+    done: int
 
 
 def mixed_rule(vers: list[Verification]) -> AcceptanceRule:
@@ -81,7 +97,8 @@ class Scheduler:
 
     def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
                  policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
-                 verification: Verification | None = None, draft_length: DraftLength | None = None) -> None:
+                 verification: Verification | None = None, draft_length: DraftLength | None = None,
+                 token_budget: int | None = None, prefix_cache_bytes: int = 0) -> None:
         self.ver = verification or Verification()
         self.draft_length = draft_length  # per-row depth caps from recent acceptance, as in generate
         self.rule = lookup("acceptance", self.ver.sampling)
@@ -112,6 +129,12 @@ class Scheduler:
         self.on_step: Callable[[StepStats], None] | None = None  # e.g. a server's metrics: it keeps no history
         self._next_id = 0
         self._chain_specs: dict[int, TreeSpec] = {}
+        if token_budget is not None and token_budget < 1:
+            raise GenerationError(f"a step's token budget must be at least 1 token, not {token_budget}")
+        self.token_budget = token_budget  # None: a queued prompt is prefilled whole when it is admitted
+        self.partial: _Partial | None = None
+        self.prefix = self._prefix_caches(prefix_cache_bytes)
+        self.prefilled = 0  # prompt tokens computed (not found in the prefix cache), since the start
 
     def add(self, prompt: list[int], max_new_tokens: int, seed_id: int | None = None,
             verification: Verification | None = None) -> int:
@@ -129,6 +152,19 @@ class Scheduler:
         self.queue.append(rid)
         return rid
 
+    def _prefix_caches(self, nbytes: int) -> PrefixCache | None:
+        """The target's prefix cache, and the drafter's, splitting `nbytes` by their KV bytes per token."""
+        if nbytes <= 0:
+            return None
+        per_token = {"target": _kv_per_token(self.target)}
+        model = getattr(self.drafter, "model", None)
+        if model is not None:
+            per_token["drafter"] = _kv_per_token(model)
+        total = sum(per_token.values())
+        if self.drafter is not None and "drafter" in per_token:
+            self.drafter.reuse_prefixes(PrefixCache(nbytes * per_token["drafter"] // total))
+        return PrefixCache(nbytes * per_token["target"] // total)
+
     def is_queued(self, rid: int) -> bool:
         """Whether request `rid` waits for a row (added, not yet admitted)."""
         return rid in self.queue
@@ -142,39 +178,85 @@ class Scheduler:
         if rid in self.rows:
             self._free(self.rows.index(rid))
             return True
+        if self.partial is not None and self.partial.rid == rid:
+            self.partial = None
+            del self.requests[rid]
+            return True
         return False
 
     @property
     def in_flight(self) -> int:
-        return len(self.rows)
+        """Requests holding a cache row: decoding, or part-way through their prompt."""
+        return len(self.rows) + (self.partial is not None)
 
     @property
     def waiting(self) -> int:
         return len(self.queue)
 
     def idle(self) -> bool:
-        return not self.rows and not self.queue
+        return not self.rows and not self.queue and self.partial is None
 
     def step(self) -> list[Event]:
-        """Admit what fits, then one step over every row: each request's new tokens, and those that ended.
-        A request whose prefill fails ends with an "error" event alone; a failed step ends every request in
-        flight that way (their caches are no longer trustworthy) and the scheduler serves on."""
+        """Prefill what the budget allows, then one step over every running row: each request's new tokens,
+        and those that ended. A request whose prefill fails ends with an "error" event alone; a failed step
+        ends every request in flight that way (their caches are no longer trustworthy) and the scheduler serves
+        on."""
         t0 = time.perf_counter()
-        failed: list[Event] = []
         with torch.inference_mode():
-            while self.queue and len(self.rows) < self.max_batch:
-                rid = self.queue.pop(0)
-                try:
-                    self._admit(rid)
-                except Exception as exc:  # one request's failure must not stop the others
-                    del self.requests[rid]
-                    failed.append(Event(rid, [], "error", f"{type(exc).__name__}: {exc}"))
+            failed, prefilled = self._prefill()
+            prefill_ms = (time.perf_counter() - t0) * 1e3
             if not self.rows:
+                if prefilled:
+                    self._record(StepStats(0.0, 0.0, 0.0, 0.0, 0, [], prefill_ms, prefilled))
                 return failed
             try:
-                return failed + self._step(t0)
+                return failed + self._step(t0, prefill_ms, prefilled)
             except Exception as exc:
                 return failed + self._fail_all(f"{type(exc).__name__}: {exc}")
+
+    def _prefill(self) -> tuple[list[Event], int]:
+        """Give waiting prompts rows and prefill them: whole without a token budget, else the chunks the budget
+        leaves after the running rows' step. Returns the requests that failed and the prompt tokens computed."""
+        room = None
+        if self.token_budget is not None:
+            per_row = 1 + (self.spec.max_nodes if self.speculative else 0)
+            room = self.token_budget - per_row * len(self.rows)
+            room = max(room, min(self.token_budget, BLOCK))  # prompts always advance, by a block at least
+        spent, failed = 0, []
+        while room is None or spent < room:
+            if self.partial is None:
+                if not self.queue or len(self.rows) >= self.max_batch:
+                    break
+                self.partial = _Partial(self.queue.pop(0), 0)
+            rid = self.partial.rid
+            try:
+                spent += self._prefill_some(None if room is None else room - spent)
+            except Exception as exc:  # one request's failure must not stop the others
+                self.partial = None
+                del self.requests[rid]
+                failed.append(Event(rid, [], "error", f"{type(exc).__name__}: {exc}"))
+        self.prefilled += spent
+        return failed, spent
+
+    def _prefill_some(self, most: int | None) -> int:
+        """Prefill up to `most` more tokens of the part-way prompt (all of it for None) in the row after the
+        running ones; it joins them when done. Returns the tokens computed."""
+        p, row = self.partial, len(self.rows)
+        prompt = self.requests[p.rid].prompt
+        body = prompt[:-1]  # the last prompt token is the first step's root
+        if p.done == 0:
+            self.cache.row(row).lengths.zero_()
+            if self.prefix is not None:
+                p.done = self.prefix.load(self.cache, row, self.prefix.match(body))
+        take = len(body) - p.done if most is None else min(len(body) - p.done, most)
+        self.target.extend_row(self.cache, row, body[p.done:p.done + take])
+        p.done += take
+        if p.done == len(body):
+            if self.prefix is not None:
+                self.prefix.store(self.cache, row, body)
+            self.partial = None
+            self._join(p.rid)
+        return take
 
     def _fail_all(self, why: str) -> list[Event]:
         events = [Event(rid, [], "error", why) for rid in self.rows]
@@ -186,9 +268,9 @@ class Scheduler:
             self.drafter.open(self.max_batch, self._drafter_room)
         return events
 
-    def _admit(self, rid: int) -> None:
+    def _join(self, rid: int) -> None:
+        """A request whose prompt the next row holds starts decoding."""
         prompt = self.requests[rid].prompt
-        self.target.prefill_row(self.cache, len(self.rows), prompt[:-1])
         if self.drafter is not None:
             self.drafter.admit(prompt)
         self.rows.append(rid)
@@ -197,7 +279,7 @@ class Scheduler:
         self.alphas.append(PRIOR_ACCEPTANCE)
         self.recent.append([])
 
-    def _step(self, t0: float) -> list[Event]:
+    def _step(self, t0: float, prefill_ms: float, prefilled: int) -> list[Event]:
         n, ver, spec = len(self.rows), self.ver, self.spec
         view = self.cache.view(n)
         req_ids = torch.tensor([self.requests[r].seed_id for r in self.rows])
@@ -239,12 +321,16 @@ class Scheduler:
         t5 = time.perf_counter()
         if depths is not None:
             self.policy.observe(depths, (t5 - taken.start) * 1e3)
-        stats = taken.stats((taken.start - t0 + t5 - taken.end) * 1e3)
+        stats = taken.stats((taken.start - t0 + t5 - taken.end) * 1e3 - prefill_ms)
+        stats.prefill_ms, stats.prefilled = prefill_ms, prefilled
+        self._record(stats)
+        return events
+
+    def _record(self, stats: StepStats) -> None:
         if self.on_step is not None:
             self.on_step(stats)
         else:
             self.steps.append(stats)
-        return events
 
     def _free(self, b: int) -> None:
         """Row b leaves: the last row moves into it, so the rows in flight stay packed from 0."""
@@ -260,6 +346,13 @@ class Scheduler:
             lst.pop()
         if self.drafter is not None:
             self.drafter.drop_last()
+        if self.partial is not None:  # the part-way prompt follows the running rows down
+            self.cache.move_row(last + 1, last)
+
+
+def _kv_per_token(model: Transformer) -> int:
+    c = model.cfg
+    return 2 * model.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
 def check_fits(target: Transformer, prompts: list[list[int]], limits: list[int]) -> None:
