@@ -137,7 +137,7 @@ class ModelDrafter(Drafter):
 
     def open(self, max_batch: int, max_len: int) -> None:
         if self.cache is None or self.cache.batch != max_batch or self.cache.max_len < max_len:
-            self.cache = self.model.new_cache(max_batch, max_len)
+            self.cache = self.model.new_cache(max_batch, max_len, lazy=True)
         self.cache.reset()
         self.pending = []
 
@@ -176,6 +176,7 @@ class ModelDrafter(Drafter):
 
     def drop_last(self) -> None:
         self.pending.pop()
+        self.cache.release_row(len(self.pending))
 
     def _scores(self, logits: torch.Tensor, mode: DraftMode, rows: list[int], positions: list[int]) -> torch.Tensor:
         """Per-node child scores [N, V]: log-probabilities, or seeded perturbed scores."""

@@ -7,6 +7,9 @@ step (positions, mask, write indices) built once per forward, not per layer.
 
 from __future__ import annotations
 
+import math
+import mmap
+import warnings
 from dataclasses import dataclass, replace
 from typing import Callable
 
@@ -58,15 +61,65 @@ class LayerWeights:
 
 
 class KVCache:
-    """Pre-allocated keys and values [layers, batch, kv_heads, max_len, head_dim] with per-row lengths."""
+    """Pre-allocated keys and values [layers, batch, kv_heads, max_len, head_dim] with per-row lengths.
+
+    `lazy` (CPU): the storage is reserved address space whose pages the kernel provides, zeroed, on first
+    write, and `release_row` hands a row's pages back. A server's cache then takes memory for the positions
+    its requests hold, not for every row at full context, while every row keeps its dense, fixed address."""
 
     def __init__(self, layers: int, batch: int, kv_heads: int, max_len: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+                 dtype: torch.dtype, device: torch.device | str, lazy: bool = False) -> None:
         shape = (layers, batch, kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self._maps: list[mmap.mmap] = []
+        if lazy and torch.device(device).type == "cpu":
+            self.k, self.v = self._reserved(shape, dtype), self._reserved(shape, dtype)
+        else:
+            self.k = torch.zeros(shape, dtype=dtype, device=device)
+            self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
+
+    def _reserved(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        count = math.prod(shape)
+        nbytes = count * dtype.itemsize
+        self._maps.append(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+                                    | getattr(mmap, "MAP_NORESERVE", 0)))
+        with warnings.catch_warnings():  # the tensor does not own the map: the cache keeps it alive
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.frombuffer(self._maps[-1], dtype=dtype, count=count).view(shape)
+
+    def resident_bytes(self) -> int:
+        """Memory the keys and values hold now: for a lazy cache the pages written and not given back (the
+        kernel's count of its private pages in /proc/self/smaps; pages only read map the shared zero page and
+        cost nothing), the whole allocation otherwise."""
+        if not self._maps:
+            return 2 * self.k.numel() * self.k.element_size()
+        starts = {self.k.data_ptr(), self.v.data_ptr()}
+        total, inside = 0, False
+        with open("/proc/self/smaps") as f:
+            for line in f:
+                head = line.split(maxsplit=1)[0]
+                if "-" in head and not head.endswith(":"):
+                    inside = int(head.split("-")[0], 16) in starts
+                elif inside and head == "Anonymous:":
+                    total += int(line.split()[1]) * 1024
+        return total
+
+    def release_row(self, row: int) -> None:
+        """Give back the pages of row `row` (a request has left it); they read as zeros after. A no-op for a
+        cache that is not lazy."""
+        if not self._maps:
+            return
+        layers, batch, heads, max_len, dim = self.k.shape
+        page = mmap.PAGESIZE
+        slab = max_len * dim * self.k.element_size()
+        for buf in self._maps:
+            for layer in range(layers):
+                for head in range(heads):
+                    start = ((layer * batch + row) * heads + head) * slab
+                    first, end = -(-start // page) * page, (start + slab) // page * page
+                    if end > first:
+                        buf.madvise(mmap.MADV_DONTNEED, first, end - first)
 
     @property
     def batch(self) -> int:
@@ -79,13 +132,14 @@ class KVCache:
         """One row as a batch-1 cache sharing this one's storage (to prefill a joining request alone)."""
         view = object.__new__(KVCache)
         view.k, view.v = self.k[:, index:index + 1], self.v[:, index:index + 1]
-        view.lengths, view.max_len = self.lengths[index:index + 1], self.max_len
+        view.lengths, view.max_len, view._maps = self.lengths[index:index + 1], self.max_len, []
         return view
 
     def view(self, rows: int) -> "KVCache":
         """The first `rows` rows as a cache sharing this one's storage (active requests stay packed there)."""
         view = object.__new__(KVCache)
         view.k, view.v, view.lengths, view.max_len = self.k[:, :rows], self.v[:, :rows], self.lengths[:rows], self.max_len
+        view._maps = []  # a view never gives pages back: its offsets are not the storage's
         return view
 
     def move_row(self, src: int, dst: int) -> None:
@@ -257,9 +311,14 @@ class Transformer:
         """The weight matrices the projections and LM head multiply by (what a weight format stores)."""
         return [self.lm_head_weight, *(layer.raw[k] for layer in self.layers for k in ("qkv", "o", "gate_up", "down"))]
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
+    def new_cache(self, batch: int, max_len: int, lazy: bool = False) -> KVCache:
         c = self.cfg
-        return KVCache(self.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device)
+        return KVCache(self.num_layers, batch, c.num_kv_heads, max_len, c.head_dim, self.dtype, self.device, lazy)
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes one position of one row takes in this model's KV cache (keys and values, every layer)."""
+        c = self.cfg
+        return 2 * self.num_layers * c.num_kv_heads * c.head_dim * self.dtype.itemsize
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:

@@ -14,10 +14,16 @@ a long prompt is prefilled over several steps while the requests already decodin
 prompt is part-way at a time, in the row after the running ones. With a prefix cache (core/engine/prefix_cache.py)
 a prompt starts from the cached blocks it begins with. Under q8 both are exact: every position computes the
 same bits however its prompt was cut, so the tokens equal those of a prompt prefilled at once.
+
+The KV caches are lazy (core/engine/model.py): a row takes memory for the positions its request writes and
+gives it back when the request leaves. With a KV budget (`kv_cache_bytes`) each running request reserves its
+prompt, its new tokens and a step's tree, in the target's cache and the drafter's, and a waiting prompt is
+admitted only when its reservation fits beside theirs, so the caches stay within the budget under any load.
 """
 
 from __future__ import annotations
 
+import mmap
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -98,7 +104,8 @@ class Scheduler:
     def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
                  policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
                  verification: Verification | None = None, draft_length: DraftLength | None = None,
-                 token_budget: int | None = None, prefix_cache_bytes: int = 0) -> None:
+                 token_budget: int | None = None, prefix_cache_bytes: int = 0,
+                 kv_cache_bytes: int | None = None) -> None:
         self.ver = verification or Verification()
         self.draft_length = draft_length  # per-row depth caps from recent acceptance, as in generate
         self.rule = lookup("acceptance", self.ver.sampling)
@@ -114,8 +121,10 @@ class Scheduler:
         nodes = max(spec.max_nodes, MAX_DEPTH) if self.speculative else 0
         room = self.max_len + cache_room(nodes)
         self.eos = set(target.cfg.eos_token_ids)
-        self.cache = target.new_cache(max_batch, room)
+        self.cache = target.new_cache(max_batch, room, lazy=True)
         self._drafter_room = room + drafter_room(nodes)
+        self._room = cache_room(nodes)
+        self._drafter_extra = cache_room(nodes) + drafter_room(nodes)  # the drafter's row: the target's, one tree ahead
         if self.drafter is not None:
             self.drafter.open(max_batch, self._drafter_room)
         self.queue: list[int] = []
@@ -135,6 +144,9 @@ class Scheduler:
         self.partial: _Partial | None = None
         self.prefix = self._prefix_caches(prefix_cache_bytes)
         self.prefilled = 0  # prompt tokens computed (not found in the prefix cache), since the start
+        self.kv_budget = kv_cache_bytes
+        if kv_cache_bytes is not None and self.fits() < 1:
+            raise GenerationError(f"a KV budget of {kv_cache_bytes / 2**20:.0f} MiB holds no request at all; raise it")
 
     def add(self, prompt: list[int], max_new_tokens: int, seed_id: int | None = None,
             verification: Verification | None = None) -> int:
@@ -144,7 +156,7 @@ class Scheduler:
         ver = verification or self.ver
         if not lookup("acceptance", ver.sampling).batched:
             raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
-        if why := misfit(len(prompt), max_new_tokens, self.max_len):
+        if why := misfit(len(prompt), max_new_tokens, self.fits()):
             raise GenerationError(why)
         rid = self._next_id
         self._next_id += 1
@@ -156,14 +168,48 @@ class Scheduler:
         """The target's prefix cache, and the drafter's, splitting `nbytes` by their KV bytes per token."""
         if nbytes <= 0:
             return None
-        per_token = {"target": _kv_per_token(self.target)}
+        target, drafter = self._kv_per_token()
+        if drafter:
+            self.drafter.reuse_prefixes(PrefixCache(nbytes * drafter // (target + drafter)))
+        return PrefixCache(nbytes * target // (target + drafter))
+
+    def _kv_per_token(self) -> tuple[int, int]:
+        """KV bytes per position in the target's cache and in the drafter's (0 for a drafter without one)."""
         model = getattr(self.drafter, "model", None)
-        if model is not None:
-            per_token["drafter"] = _kv_per_token(model)
-        total = sum(per_token.values())
-        if self.drafter is not None and "drafter" in per_token:
-            self.drafter.reuse_prefixes(PrefixCache(nbytes * per_token["drafter"] // total))
-        return PrefixCache(nbytes * per_token["target"] // total)
+        return self.target.kv_bytes_per_token(), 0 if model is None else model.kv_bytes_per_token()
+
+    def _extra(self) -> int:
+        """KV bytes a request reserves beyond its positions: a step's tree in each cache, and in each slab
+        (layer, head, keys or values) the page its last positions share with nothing else."""
+        target, drafter = self._kv_per_token()
+        slabs = 2 * mmap.PAGESIZE * (self.target.num_layers * self.target.cfg.num_kv_heads)
+        if drafter:
+            model = self.drafter.model
+            slabs += 2 * mmap.PAGESIZE * model.num_layers * model.cfg.num_kv_heads
+        return self._room * target + self._drafter_extra * drafter + slabs
+
+    def reservation(self, tokens: int) -> int:
+        """KV bytes a request of `tokens` positions (prompt and new tokens) reserves."""
+        target, drafter = self._kv_per_token()
+        return tokens * (target + drafter) + self._extra()
+
+    def fits(self) -> int:
+        """The most positions (prompt and new tokens) one request may take: the context, or what the KV budget
+        holds when it holds less."""
+        if self.kv_budget is None:
+            return self.max_len
+        target, drafter = self._kv_per_token()
+        return max(0, min(self.max_len, (self.kv_budget - self._extra()) // (target + drafter)))
+
+    @property
+    def reserved(self) -> int:
+        """KV bytes the requests holding rows have reserved."""
+        rids = self.rows + ([self.partial.rid] if self.partial is not None else [])
+        return sum(self._reserve(r) for r in rids)
+
+    def _reserve(self, rid: int) -> int:
+        req = self.requests[rid]
+        return self.reservation(len(req.prompt) + req.limit)
 
     def is_queued(self, rid: int) -> bool:
         """Whether request `rid` waits for a row (added, not yet admitted)."""
@@ -181,6 +227,7 @@ class Scheduler:
         if self.partial is not None and self.partial.rid == rid:
             self.partial = None
             del self.requests[rid]
+            self.cache.release_row(len(self.rows))
             return True
         return False
 
@@ -227,6 +274,8 @@ class Scheduler:
             if self.partial is None:
                 if not self.queue or len(self.rows) >= self.max_batch:
                     break
+                if self.kv_budget is not None and self.reserved + self._reserve(self.queue[0]) > self.kv_budget:
+                    break  # it waits for running requests to give their positions back
                 self.partial = _Partial(self.queue.pop(0), 0)
             rid = self.partial.rid
             try:
@@ -234,6 +283,7 @@ class Scheduler:
             except Exception as exc:  # one request's failure must not stop the others
                 self.partial = None
                 del self.requests[rid]
+                self.cache.release_row(len(self.rows))
                 failed.append(Event(rid, [], "error", f"{type(exc).__name__}: {exc}"))
         self.prefilled += spent
         return failed, spent
@@ -262,6 +312,8 @@ class Scheduler:
         events = [Event(rid, [], "error", why) for rid in self.rows]
         for rid in self.rows:
             del self.requests[rid]
+        for row in range(len(self.rows)):
+            self.cache.release_row(row)
         for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
             lst.clear()
         if self.drafter is not None:
@@ -346,13 +398,11 @@ class Scheduler:
             lst.pop()
         if self.drafter is not None:
             self.drafter.drop_last()
+        self.cache.release_row(last)
         if self.partial is not None:  # the part-way prompt follows the running rows down
             self.cache.move_row(last + 1, last)
+            self.cache.release_row(last + 1)
 
-
-def _kv_per_token(model: Transformer) -> int:
-    c = model.cfg
-    return 2 * model.num_layers * c.num_kv_heads * c.head_dim * model.dtype.itemsize
 
 
 def check_fits(target: Transformer, prompts: list[list[int]], limits: list[int]) -> None:
