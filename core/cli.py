@@ -99,6 +99,22 @@ def loop_options(p: argparse.ArgumentParser) -> None:
                    help="HOST:PORT of a running Ray cluster's head (default: start a local one)")
 
 
+def _count(text: str) -> int:
+    """A count of 0 or more (argparse turns the ValueError into a one-line usage error)."""
+    value = int(text)
+    if value < 0:
+        raise ValueError(text)
+    return value
+
+
+def _gib(text: str) -> float:
+    """A size in GiB, 0 or more."""
+    value = float(text)
+    if not value >= 0:
+        raise ValueError(text)
+    return value
+
+
 def serve_options(p: argparse.ArgumentParser) -> None:
     """`specpilot serve`'s options (vLLM's names where they exist)."""
     deployment_options(p)
@@ -112,6 +128,16 @@ def serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond those; more get 429")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="prompt + new tokens of one request (default: the model's context, at most 4096)")
+    p.add_argument("--max-num-batched-tokens", type=_count, default=512, metavar="N",
+                   help="tokens one step computes: the running requests' decode and verify rows first, then chunks "
+                        "of waiting prompts (0: each prompt is prefilled whole when it is admitted)")
+    p.add_argument("--kv-cache-memory", type=_gib, default=None, metavar="GIB",
+                   help="GiB the KV caches may hold (target, drafter and prefix cache); requests wait for room "
+                        "beyond it (default: what --max-batch full-length requests take, or what is available "
+                        "beside the models when that is less)")
+    p.add_argument("--prefix-cache-memory", type=_gib, default=None, metavar="GIB",
+                   help="GiB of the KV budget kept for prompt prefixes (default: a quarter of it, at most 1; 0 turns "
+                        "the prefix cache off)")
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the target's)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -247,14 +247,15 @@ class Engine:
         return drive(sched, prompts, limits, request_ids)
 
     def scheduler(self, recipe: Recipe | None, max_batch: int, max_len: int | None = None,
-                  table: CostTable | None = None, speculative: bool = True) -> Scheduler:
+                  table: CostTable | None = None, speculative: bool = True, **serving: Any) -> Scheduler:
         """The online continuous-batching scheduler for `recipe` (None = batched autoregressive decoding;
         speculative False = the same on the recipe's target, its weight format and linear backend): requests
         of up to `max_len` tokens (prompt and new ones; default the model's context) join and leave between
-        steps. Batching policies price steps with `table`, by default the recipe's own measured cost table."""
+        steps. Batching policies price steps with `table`, by default the recipe's own measured cost table.
+        `serving` passes the token budget, prefix cache and KV budget options on to the Scheduler."""
         if recipe is None or not speculative:
             target = self.target if recipe is None else self.models_for(recipe)[0]
-            return Scheduler(target, None, None, max_batch=max_batch, max_len=max_len)
+            return Scheduler(target, None, None, max_batch=max_batch, max_len=max_len, **serving)
         target, _ = self.models_for(recipe)
         b = recipe.batching
         length = None if recipe.draft.length == "fixed" else lookup("draft_length", recipe.draft.length)
@@ -267,7 +268,7 @@ class Engine:
             table = self.cost_table(recipe, [max_batch])
         policy = Policy(b.policy, tree_spec(recipe), table, b.node_budget, b.token_cap, target.ragged)
         return Scheduler(target, self.drafter_for(recipe), tree_spec(recipe), policy, max_batch, max_len,
-                         Verification.of(recipe.verify), length)
+                         Verification.of(recipe.verify), length, **serving)
 
     @property
     def device(self) -> torch.device:

@@ -7,6 +7,7 @@ step (positions, mask, write indices) built once per forward, not per layer.
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
 import warnings
@@ -80,13 +81,22 @@ class KVCache:
         self.max_len = max_len
 
     def _reserved(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        count = math.prod(shape)
-        nbytes = count * dtype.itemsize
-        self._maps.append(mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-                                    | getattr(mmap, "MAP_NORESERVE", 0)))
+        """Address space for `shape`, between two inaccessible guard pages: the kernel then never merges it with
+        a neighbouring mapping, so /proc/self/smaps reports its pages alone."""
+        count, page = math.prod(shape), mmap.PAGESIZE
+        data = -(-count * dtype.itemsize // page) * page
+        buf = mmap.mmap(-1, data + 2 * page,
+                        flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0))
+        self._maps.append(buf)
         with warnings.catch_warnings():  # the tensor does not own the map: the cache keeps it alive
             warnings.simplefilter("ignore", UserWarning)
-            return torch.frombuffer(self._maps[-1], dtype=dtype, count=count).view(shape)
+            base = torch.frombuffer(buf, dtype=torch.uint8, count=1).data_ptr()
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+            for at in (base, base + page + data):
+                if libc.mprotect(at, page, 0) != 0:  # PROT_NONE
+                    raise OSError(ctypes.get_errno(), "mprotect failed on a KV cache guard page")
+            return torch.frombuffer(buf, dtype=dtype, count=count, offset=page).view(shape)
 
     def resident_bytes(self) -> int:
         """Memory the keys and values hold now: for a lazy cache the pages written and not given back (the
@@ -116,7 +126,7 @@ class KVCache:
         for buf in self._maps:
             for layer in range(layers):
                 for head in range(heads):
-                    start = ((layer * batch + row) * heads + head) * slab
+                    start = page + ((layer * batch + row) * heads + head) * slab  # past the low guard page
                     first, end = -(-start // page) * page, (start + slab) // page * page
                     if end > first:
                         buf.madvise(mmap.MADV_DONTNEED, first, end - first)

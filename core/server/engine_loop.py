@@ -37,6 +37,10 @@ class EngineLoop:
         self.last: dict[int, float] = {}  # engine id -> when its previous tokens came
         self.thread = threading.Thread(target=self._run, name="specpilot-engine", daemon=True)
         scheduler.on_step = self._observe  # a server runs for days: steps go to the metrics, no history is kept
+        if scheduler.kv_budget is not None:
+            metrics.kv_budget.set(scheduler.kv_budget)
+        metrics.kv_resident.set_function(self._resident)
+        self._prefix_seen = (0, 0)
         self.failure: BaseException | None = None
 
     def start(self) -> None:
@@ -145,12 +149,31 @@ class EngineLoop:
                     cmd = None
             if not self.sched.idle():
                 self._step()
+                self._count_prefix()
             self.metrics.queue.set(self.sched.waiting)
             self.metrics.running.set(self.sched.in_flight)
+            self.metrics.kv_reserved.set(self.sched.reserved)
 
     def _observe(self, stats: StepStats) -> None:
         for gained in stats.accepted:
             self.metrics.accepted.observe(gained)
+        self.metrics.step_drafted.observe(stats.nodes - len(stats.accepted))
+        self.metrics.step_accepted.observe(sum(stats.accepted) - len(stats.accepted))
+        self.metrics.step_prefilled.observe(stats.prefilled)
+
+    def _resident(self) -> float:
+        """The caches' measured memory, read when /metrics is scraped (the caches' mappings only, never resized)."""
+        caches = [self.sched.cache, getattr(self.sched.drafter, "cache", None)]
+        return float(sum(c.resident_bytes() for c in caches if c is not None))
+
+    def _count_prefix(self) -> None:
+        prefix = self.sched.prefix
+        if prefix is None:
+            return
+        queries, hits = prefix.stats.queries, prefix.stats.hits
+        self.metrics.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.metrics.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
 
     def _step(self) -> None:
         events = self.sched.step()

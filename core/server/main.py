@@ -17,17 +17,35 @@ from pathlib import Path
 import uvicorn
 
 from specpilot.core.engine.decode import Verification
-from specpilot.core.engine.ram_budget import require
+from specpilot.core.engine.config import ModelLoadError
+from specpilot.core.engine.ram_budget import GB, HEADROOM, available_bytes, require
 from specpilot.core.recipe import Recipe
 from specpilot.core.recipe_source import serving_recipe
 
 log = logging.getLogger("specpilot.serve")
 
 
-def kv_bytes(model, rows: int, length: int) -> int:
-    """Bytes of a KV cache of `rows` x `length` positions for `model`."""
-    c = model.cfg
-    return 2 * model.num_layers * rows * c.num_kv_heads * length * c.head_dim * model.dtype.itemsize
+def kv_budget(args: argparse.Namespace, rows_need: int) -> tuple[int, int]:
+    """The KV budget in bytes and the prefix cache's part of it. By default room for every row at full length
+    (`rows_need`) and a prefix cache of a quarter of that (at most 1 GiB), or what is available beside the
+    models when that is less; a budget asked for must be available."""
+    if args.prefix_cache_memory is not None:
+        prefix = int(args.prefix_cache_memory * GB)
+    if args.kv_cache_memory is not None:
+        budget = int(args.kv_cache_memory * GB)
+        require(budget, f"--kv-cache-memory {args.kv_cache_memory:g}", "lower --kv-cache-memory")
+        if args.prefix_cache_memory is None:
+            prefix = min(budget // 4, GB)
+    else:
+        if args.prefix_cache_memory is None:
+            prefix = min(rows_need // 4, GB)
+        avail = available_bytes()
+        budget = rows_need + prefix if avail is None else min(rows_need + prefix, int(HEADROOM * avail))
+    if prefix >= budget:
+        raise ModelLoadError(f"a prefix cache of {prefix / GB:.2f} GiB leaves nothing of the KV budget "
+                             f"({budget / GB:.2f} GiB) for the requests; lower --prefix-cache-memory or raise "
+                             "--kv-cache-memory")
+    return budget, prefix
 
 
 def build(args: argparse.Namespace):
@@ -50,10 +68,10 @@ def build(args: argparse.Namespace):
     ctx = target.cfg.max_position_embeddings
     context = min(args.max_model_len or min(ctx, 4096), ctx)
     rows = args.max_batch
-    need = kv_bytes(target, rows, context + 64)
+    per_token = target.kv_bytes_per_token()
     if speculative and engine.drafter_model is not None:
-        need += kv_bytes(engine.drafter_model, rows, context + 64)
-    require(need, f"a KV cache of {rows} rows x {context} tokens", "lower --max-batch or --max-model-len")
+        per_token += engine.drafter_model.kv_bytes_per_token()
+    budget, prefix = kv_budget(args, rows * (context + 128) * per_token)  # + a step's tree and page slack
     default = Verification.of(recipe.verify if recipe is not None else None, speculative=False)
     if recipe is not None and recipe.verify.sampling != "greedy":  # requests choose: each is verified as it asks
         recipe = recipe.replace(verify={"sampling": "greedy"})
@@ -64,7 +82,14 @@ def build(args: argparse.Namespace):
         log.info("step costs for batching policy %r: %s", recipe.batching.policy, table.source)
     tokenizer = AutoTokenizer.from_pretrained(deployment.target)
     warm_up(engine, recipe, speculative, tokenizer)
-    sched = engine.scheduler(recipe, rows, context, table, speculative=speculative)
+    sched = engine.scheduler(recipe, rows, context, table, speculative=speculative,
+                             token_budget=args.max_num_batched_tokens or None, prefix_cache_bytes=prefix,
+                             kv_cache_bytes=budget - prefix)
+    if sched.fits() < context:
+        log.info("the KV budget holds requests of up to %d tokens (--max-model-len %d)", sched.fits(), context)
+        context = sched.fits()
+    log.info("KV budget %.2f GiB (prefix cache %.2f GiB), %s tokens a step", budget / GB, prefix / GB,
+             args.max_num_batched_tokens or "unbounded")
     name = args.served_model_name or Path(deployment.target_source or deployment.target).name
     metrics = Metrics()
     loop = EngineLoop(sched, metrics, args.max_queue, on_error=log.error)

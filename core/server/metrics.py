@@ -8,8 +8,9 @@ LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 
 
 
 class Metrics:
-    """Requests by endpoint and status, token counts, accepted tokens per step, latency histograms, and the
-    queue's depth and the rows in flight."""
+    """Requests by endpoint and status, token counts, accepted tokens per step, latency histograms, what each
+    step drafted, accepted and prefilled, the prefix cache's lookups and hits, the KV budget and what it holds,
+    and the queue's depth and the rows in flight."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -28,6 +29,23 @@ class Metrics:
         self.itl = Histogram("specpilot_inter_token_latency_seconds",
                              "gap between a request's successive steps over the tokens the later one brought, "
                              "once per token", buckets=LATENCY, registry=r)
+        steps = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048)
+        self.step_drafted = Histogram("specpilot_step_draft_tokens", "draft tokens one step verified, all rows",
+                                      buckets=steps, registry=r)
+        self.step_accepted = Histogram("specpilot_step_accepted_draft_tokens",
+                                       "draft tokens one step accepted, all rows", buckets=steps, registry=r)
+        self.step_prefilled = Histogram("specpilot_step_prefill_tokens",
+                                        "prompt tokens one step prefilled (chunks of waiting prompts)",
+                                        buckets=steps, registry=r)
+        self.prefix_queries = Counter("specpilot_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("specpilot_prefix_cache_hits", "prompt tokens found in the prefix cache (the hit "
+                                   "rate is hits / queries)", registry=r)
+        self.kv_budget = Gauge("specpilot_kv_cache_budget_bytes", "the KV budget requests reserve from", registry=r)
+        self.kv_reserved = Gauge("specpilot_kv_cache_reserved_bytes", "KV bytes the requests holding rows reserve",
+                                 registry=r)
+        self.kv_resident = Gauge("specpilot_kv_cache_resident_bytes",
+                                 "memory the target's and drafter's KV caches hold now (measured)", registry=r)
         self.queue = Gauge("specpilot_queue_depth", "requests accepted and waiting for a cache row", registry=r)
         self.running = Gauge("specpilot_requests_in_flight", "requests holding a cache row", registry=r)
 
