@@ -86,9 +86,14 @@ def split(requests: list[Request], which: str = "all", seed: int = 0) -> list[Re
 def encode(tokenizer, request: Request) -> list[int]:
     """Token ids for a request; chat requests use the tokenizer's chat template when it has one."""
     if request.chat and getattr(tokenizer, "chat_template", None):
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": request.prompt}],
-                                            add_generation_prompt=True, tokenize=True, return_dict=False)
-        if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 ignores return_dict for some tokenizers)
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return encode_messages(tokenizer, [{"role": "user", "content": request.prompt}])
     return tokenizer.encode(request.prompt, add_special_tokens=False)
+
+
+def encode_messages(tokenizer, messages: list[dict]) -> list[int]:
+    """Token ids of chat messages through the tokenizer's chat template, ready for the assistant's turn (what
+    the server does with a chat request, so a benchmark's reference encodes exactly as the server does)."""
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+    if hasattr(ids, "keys"):  # a BatchEncoding (transformers 5 ignores return_dict for some tokenizers)
+        ids = ids["input_ids"]
+    return [int(i) for i in ids]

@@ -4,11 +4,15 @@
         --requests 16 --max-tokens 128 --reference ref.json --json out.jsonl --name ours
 
 At each concurrency, `--requests` coding_chat requests (streamed, greedy, 128 tokens) are kept `concurrency` in
-flight, bounded in count and in time (`--time-limit` seconds a level: no request starts after it). Reported:
-requests/s, output tok/s, time to first token and inter-token latency (a request's decode time over its
-tokens after the first) at p50 and p99, and with `--reference` (transformers' greedy texts, written once with
-`--make-reference`), how many outputs differ. `--serve CMD` starts the server, waits for /v1/models, and
-stops it (SIGTERM) after the run.
+flight, bounded in count and in time (`--time-limit` seconds a level: no request starts after it). `--system
+FILE` puts the same system prompt in front of every request (workloads/system_prompt.txt: the shared-prefix
+workload). Reported: requests/s, output tok/s, time to first token and inter-token latency (a request's decode
+time over its tokens after the first) at p50 and p99, and with `--reference` (greedy texts written once with
+`--make-reference`: transformers float32 on a checkpoint directory, or with `--reference-numerics q8` our own
+q8 plain decoding of a .gguf file), how many outputs differ. `--serve CMD` starts the server, waits for
+/v1/models, stops it (SIGTERM) after the run, and reports its peak RSS (VmHWM) after each level. Against
+`specpilot serve`, each level also reports what its steps drafted, accepted and prefilled and its prefix-cache
+hits, read from /metrics before and after the level.
 """
 from __future__ import annotations
 
@@ -40,10 +44,16 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(round(q * (len(ordered) - 1))))]
 
 
-async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
+def messages(prompt: str, system: str | None) -> list[dict]:
+    """One chat request: the user's prompt, after the shared system prompt when there is one."""
+    user = [{"role": "user", "content": prompt}]
+    return user if system is None else [{"role": "system", "content": system}, *user]
+
+
+async def one(client, model: str, prompt: str, max_tokens: int, system: str | None) -> dict:
     start = time.perf_counter()
     first, text, tokens, chunks, timings = None, [], None, 0, None
-    stream = await client.chat.completions.create(model=model, messages=[{"role": "user", "content": prompt}],
+    stream = await client.chat.completions.create(model=model, messages=messages(prompt, system),
                                                   max_tokens=max_tokens, temperature=0, stream=True,
                                                   stream_options={"include_usage": True})
     async for ch in stream:
@@ -62,7 +72,8 @@ async def one(client, model: str, prompt: str, max_tokens: int) -> dict:
             "itl": (end - first) / max(tokens - 1, 1), "end": end, "timings": timings}
 
 
-async def level(url: str, model: str, reqs: list, concurrency: int, max_tokens: int, time_limit: float) -> dict:
+async def level(url: str, model: str, reqs: list, concurrency: int, max_tokens: int, time_limit: float,
+                system: str | None) -> dict:
     from openai import AsyncOpenAI
 
     client = AsyncOpenAI(base_url=url, api_key="unused", max_retries=0, timeout=3600)
@@ -73,7 +84,7 @@ async def level(url: str, model: str, reqs: list, concurrency: int, max_tokens: 
     async def worker() -> None:
         while queue and time.perf_counter() - t0 < time_limit:
             i, r = queue.pop(0)
-            results[i] = await one(client, model, r.prompt, max_tokens)
+            results[i] = await one(client, model, r.prompt, max_tokens, system)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     wall = max(r["end"] for r in results.values()) - t0
@@ -94,24 +105,71 @@ def decode_rate(timings: list) -> float | None:
     return sum(t["predicted_n"] for t in timings) / (sum(t["predicted_ms"] for t in timings) / 1e3)
 
 
-def make_reference(target_dir: str, n: int, max_tokens: int, path: str) -> None:
-    """transformers' float32 greedy text for the first n requests, through the checkpoint's chat template."""
+# Server metrics whose change over a level is reported: what the steps drafted, accepted and prefilled.
+METRICS = {"steps": "specpilot_step_draft_tokens_count", "drafted": "specpilot_step_draft_tokens_sum",
+           "accepted": "specpilot_step_accepted_draft_tokens_sum", "prefilled": "specpilot_step_prefill_tokens_sum",
+           "prefix_queries": "specpilot_prefix_cache_queries_total", "prefix_hits": "specpilot_prefix_cache_hits_total"}
+
+
+def scrape(url: str) -> dict[str, float] | None:
+    """The METRICS of a specpilot server's /metrics (None for a server without them)."""
+    try:
+        with urllib.request.urlopen(url.removesuffix("/v1") + "/metrics", timeout=10) as r:
+            lines = r.read().decode().splitlines()
+    except (OSError, ValueError):
+        return None
+    values = {}
+    for line in lines:
+        name, _, value = line.partition(" ")
+        if name in METRICS.values():
+            values[name] = float(value)
+    return {k: values[v] for k, v in METRICS.items()} if len(values) == len(METRICS) else None
+
+
+def peak_rss_mb(pid: int) -> float | None:
+    """The process's peak resident memory so far (VmHWM), in MB."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def make_reference(target: str, n: int, max_tokens: int, path: str, system: str | None, numerics: str) -> None:
+    """The deployment's own greedy text for the first n requests, through the checkpoint's chat template:
+    transformers float32 on a checkpoint directory (f32), or our q8 plain decoding of a .gguf file (q8)."""
     import torch
     from transformers import AutoTokenizer
 
     from specpilot.core import workload
-    from specpilot.core.hf import hf_model
 
-    tok = AutoTokenizer.from_pretrained(target_dir)
-    model = hf_model(target_dir)
+    if numerics == "q8":
+        from specpilot.core.engine import Engine
+        from specpilot.core.engine.gguf_checkpoint import materialise
+
+        target = str(materialise(target))
+        engine = Engine.load(target, numerics="q8")
+
+        def generate(ids: list[int]) -> list[int]:
+            return engine.generate([ids], max_tokens, speculative=False).tokens[0]
+    else:
+        from specpilot.core.hf import hf_model
+
+        model = hf_model(target)
+
+        def generate(ids: list[int]) -> list[int]:
+            with torch.inference_mode():
+                return model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
+                                      pad_token_id=tok.eos_token_id)[0, len(ids):].tolist()
+    tok = AutoTokenizer.from_pretrained(target)
     out = {}
     for r in requests(n):
-        ids = workload.encode(tok, r)
-        with torch.inference_mode():
-            gen = model.generate(torch.tensor([ids]), max_new_tokens=max_tokens, do_sample=False,
-                                 pad_token_id=tok.eos_token_id)[0, len(ids):]
+        ids = workload.encode(tok, r) if system is None else workload.encode_messages(tok, messages(r.prompt, system))
+        gen = generate(ids)
         out[str(r.id)] = tok.decode(gen, skip_special_tokens=True)
-        print(f"reference {r.id}: {len(gen)} tokens", file=sys.stderr, flush=True)
+        print(f"reference {r.id}: {len(ids)} prompt tokens, {len(gen)} new", file=sys.stderr, flush=True)
     Path(path).write_text(json.dumps(out, indent=1))
 
 
@@ -139,12 +197,17 @@ def main() -> int:
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--time-limit", type=float, default=900, help="seconds a level may start requests")
     p.add_argument("--reference", default=None, help="JSON {request id: transformers' greedy text}")
-    p.add_argument("--make-reference", default=None, metavar="TARGET_DIR",
-                   help="write --reference from transformers on this checkpoint directory, then exit")
+    p.add_argument("--make-reference", default=None, metavar="TARGET",
+                   help="write --reference from this checkpoint directory (f32) or .gguf file (q8), then exit")
+    p.add_argument("--reference-numerics", choices=("f32", "q8"), default="f32",
+                   help="the deployment's numerics for --make-reference: transformers float32, or our q8 AR")
+    p.add_argument("--system", default=None, metavar="FILE", help="a system prompt in front of every request")
     p.add_argument("--json", default=None, help="append one JSON line per level here")
     args = p.parse_args()
+    system = Path(args.system).read_text().strip() if args.system else None
     if args.make_reference:
-        make_reference(args.make_reference, args.requests, args.max_tokens, args.reference)
+        make_reference(args.make_reference, args.requests, args.max_tokens, args.reference, system,
+                       args.reference_numerics)
         return 0
     proc = subprocess.Popen(shlex.split(args.serve)) if args.serve else None
     try:
@@ -152,7 +215,13 @@ def main() -> int:
         reference = json.loads(Path(args.reference).read_text()) if args.reference else None
         for c in (int(x) for x in args.concurrency.split(",")):
             reqs = requests(max(args.requests, c))
-            res = asyncio.run(level(args.url, model, reqs, c, args.max_tokens, args.time_limit))
+            before = scrape(args.url)
+            res = asyncio.run(level(args.url, model, reqs, c, args.max_tokens, args.time_limit, system))
+            after = scrape(args.url)
+            if before is not None and after is not None:
+                res["steps"] = {k: after[k] - before[k] for k in METRICS}
+            res["peak_rss_mb"] = None if proc is None else peak_rss_mb(proc.pid)
+            res["workload"] = "system" if system else "plain"
             texts = res.pop("texts")
             if reference is not None:
                 res["mismatches"] = sum(texts[k] != reference[k] for k in texts if k in reference)
@@ -161,7 +230,11 @@ def main() -> int:
                   f"{res['requests_per_s']:.3f} req/s, TTFT p50 {res['ttft_p50']:.2f} s p99 {res['ttft_p99']:.2f} s, "
                   f"ITL p50 {res['itl_p50'] * 1e3:.0f} ms p99 {res['itl_p99'] * 1e3:.0f} ms"
                   + (f", decoding alone {res['decode_tok_per_s']:.2f} tok/s" if res["decode_tok_per_s"] else "")
-                  + (f", {res['mismatches']} mismatched" if "mismatches" in res else ""), flush=True)
+                  + (f", {res['mismatches']} mismatched" if "mismatches" in res else "")
+                  + (f", peak RSS {res['peak_rss_mb']:.0f} MB" if res["peak_rss_mb"] else "")
+                  + (", steps {steps:.0f} drafted {drafted:.0f} accepted {accepted:.0f} prefilled {prefilled:.0f} "
+                     "prefix hits {prefix_hits:.0f}/{prefix_queries:.0f}".format(**res["steps"])
+                     if "steps" in res else ""), flush=True)
             if args.json:
                 with open(args.json, "a") as f:
                     f.write(json.dumps({**res, "texts": texts}) + "\n")

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from specpilot.core.engine import Engine
+from specpilot.core.engine.batching import CostTable, Policy
 from specpilot.core.engine.prefix_cache import BLOCK, PrefixCache
 from specpilot.core.engine.scheduler import Scheduler, drive
 from specpilot.core.recipe import builtin
@@ -178,3 +179,43 @@ def test_the_float32_pair_under_a_budget_equals_single_request_ar(pair_engine, b
     for speculative in (False, True):
         sched = _scheduler(engine, speculative, token_budget=budget, prefix_cache_bytes=cache_bytes)
         assert drive(sched, prompts, limits).tokens == reference
+
+
+def _flat_table(rows: int) -> CostTable:
+    """Prices under which drafting always pays (a verify forward costs the same at any width): the policy then
+    drafts as deep as it may, and only the token budget holds it back."""
+    return CostTable({(r, t): 10.0 for r in range(1, rows + 1) for t in range(1, 10)}, {r: 0.01 for r in range(1, rows + 1)})
+
+
+@pytest.mark.parametrize("policy", ["budget", "allocate"])
+def test_drafts_share_the_token_budget_with_waiting_prompts(q8, shared, policy):
+    """Under a token budget a step's drafts take what is left after every running row's own token and the
+    block a waiting prompt advances by: prompts keep advancing while rows speculate, the drafts left go to
+    the rows most likely to accept them, and the tokens stay q8 plain decoding's."""
+    prompts, limits, reference = shared
+    base = q8.scheduler(builtin("stock"), 3, 1024)
+    table = _flat_table(3)
+    sched = Scheduler(base.target, base.drafter, base.spec, Policy(policy, base.spec, table), 3, 1024, base.ver,
+                      token_budget=24)
+    seen = []
+    real = sched.policy.depths
+    sched.policy.depths = lambda alphas, cap=None: seen.append((len(alphas), cap, d := real(alphas, cap))) or d
+    assert drive(sched, prompts, limits).tokens == reference
+    capped = [(n, cap, d) for n, cap, d in seen if cap is not None and cap < 24 - n]
+    assert capped, "a prompt waited beside running rows"
+    assert all(sum(d) <= cap for _, cap, d in capped)
+    assert any(sum(d) > 0 for _, _, d in capped)  # speculation went on beside prefill
+    assert all(s.prefilled <= 24 for s in sched.steps)
+    assert any(s.prefilled and s.nodes > len(s.accepted) for s in sched.steps)  # a chunk beside drafted rows
+    uncapped = [d for n, cap, d in seen if cap == 24 - n]
+    assert uncapped and max(max(d) for d in uncapped) > 2  # free of waiting prompts, drafts go deep
+
+
+def test_a_node_cap_keeps_the_drafts_of_confident_rows():
+    table = _flat_table(3)
+    policy = Policy("budget", None, table)
+    free = policy.depths([0.9, 0.2, 0.6])
+    assert len(set(free)) == 1 and free[0] > 2  # uniform depth when nothing caps it
+    capped = policy.depths([0.9, 0.2, 0.6], node_cap=5)
+    assert sum(capped) == 5 and capped[0] > capped[2] > capped[1] == 0
+    assert policy.depths([0.9, 0.2, 0.6], node_cap=0) == [0, 0, 0]

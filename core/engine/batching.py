@@ -191,7 +191,7 @@ class Policy:
     idle: int = 0  # steps in a row that drafted nothing
     probe_every: int = PROBE_EVERY  # undrafted steps before the next probe
 
-    def depths(self, alphas: list[float]) -> list[int] | None:
+    def depths(self, alphas: list[float], node_cap: int | None = None) -> list[int] | None:
         """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
         Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
@@ -200,8 +200,15 @@ class Policy:
         could not change the answer, and it would feed the drafter every prompt it has been spared. A probe
         after which the policy still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so
         where speculation truly does not pay (a wide batch) the probes cost less and less; drafting again
-        resets the wait."""
+        resets the wait.
+
+        `node_cap` is how many draft tokens the step may carry (a scheduler's token budget, less the rows' own
+        tokens and the prompt chunk that must advance beside them): depths over it are cut back to the tokens
+        most likely to be accepted, spread over rows by their acceptance (`allocate`), so under a full budget
+        confident rows keep drafting and the others decode plainly."""
         depths = lookup("batching", self.name)(self, alphas)
+        if depths is not None and node_cap is not None and sum(depths) > node_cap:
+            depths = allocate(alphas, max(0, node_cap), max(depths))
         if depths is None or max(depths, default=0) > 0:
             self.idle = 0
             self.probe_every = PROBE_EVERY
@@ -212,6 +219,11 @@ class Policy:
         self.idle = 0
         self.probe_every = min(2 * self.probe_every, PROBE_MAX)
         return [1] * len(depths)
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the policy chooses each row's depth (False: every row drafts the recipe's tree)."""
+        return self.name != "fixed" and self.table is not None
 
     def _could_draft(self, rows: int) -> bool:
         """Whether drafting could pay at this batch size if every row's acceptance were ALPHA_MAX."""

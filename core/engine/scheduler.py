@@ -250,25 +250,47 @@ class Scheduler:
         on."""
         t0 = time.perf_counter()
         with torch.inference_mode():
-            failed, prefilled = self._prefill()
+            depths = self._depths()
+            failed, prefilled = self._prefill(depths)
             prefill_ms = (time.perf_counter() - t0) * 1e3
             if not self.rows:
                 if prefilled:
                     self._record(StepStats(0.0, 0.0, 0.0, 0.0, 0, [], prefill_ms, prefilled))
                 return failed
+            if depths is not None:  # rows that joined in this step's prefill decode plainly in it: their
+                depths = depths + [0] * (len(self.rows) - len(depths))  # drafter has not read their prompt yet
             try:
-                return failed + self._step(t0, prefill_ms, prefilled)
+                return failed + self._step(t0, prefill_ms, prefilled, depths)
             except Exception as exc:
                 return failed + self._fail_all(f"{type(exc).__name__}: {exc}")
 
-    def _prefill(self) -> tuple[list[Event], int]:
+    def _depths(self) -> list[int] | None:
+        """The running rows' draft depths for this step, from the batching policy (None: the recipe's tree for
+        every row). Under a token budget the drafts share it with the prompts waiting for their prefill: they
+        may take what is left after every row's own token and the block a waiting prompt advances by, so a
+        full step drafts only where acceptance is highest, and prefill never stalls behind speculation."""
+        if not self.speculative:
+            return None
+        if not self.rows:
+            return [] if self.policy.per_row else None
+        cap = None
+        if self.token_budget is not None:
+            cap = self.token_budget - len(self.rows)
+            if self.partial is not None or (self.queue and len(self.rows) < self.max_batch):
+                cap -= min(self.token_budget, BLOCK)
+        return self.policy.depths(self.alphas, cap)
+
+    def _prefill(self, depths: list[int] | None) -> tuple[list[Event], int]:
         """Give waiting prompts rows and prefill them: whole without a token budget, else the chunks the budget
-        leaves after the running rows' step. Returns the requests that failed and the prompt tokens computed."""
+        leaves after the running rows' step (`depths`: their drafts; None, the recipe's tree each). Returns the
+        requests that failed and the prompt tokens computed."""
         room = None
         if self.token_budget is not None:
-            per_row = 1 + (self.spec.max_nodes if self.speculative else 0)
-            room = self.token_budget - per_row * len(self.rows)
-            room = max(room, min(self.token_budget, BLOCK))  # prompts always advance, by a block at least
+            if depths is None:
+                step_tokens = (1 + (self.spec.max_nodes if self.speculative else 0)) * len(self.rows)
+            else:
+                step_tokens = len(self.rows) + sum(depths)
+            room = max(self.token_budget - step_tokens, min(self.token_budget, BLOCK))  # a block at least
         spent, failed = 0, []
         while room is None or spent < room:
             if self.partial is None:
@@ -331,11 +353,10 @@ class Scheduler:
         self.alphas.append(PRIOR_ACCEPTANCE)
         self.recent.append([])
 
-    def _step(self, t0: float, prefill_ms: float, prefilled: int) -> list[Event]:
+    def _step(self, t0: float, prefill_ms: float, prefilled: int, depths: list[int] | None) -> list[Event]:
         n, ver, spec = len(self.rows), self.ver, self.spec
         view = self.cache.view(n)
         req_ids = torch.tensor([self.requests[r].seed_id for r in self.rows])
-        depths = self.policy.depths(self.alphas) if self.speculative else None
 
         def draft() -> list[DraftTree]:
             if not self.speculative or (depths is not None and max(depths) == 0):

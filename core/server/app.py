@@ -25,6 +25,7 @@ from specpilot.core.server.engine_loop import UNAVAILABLE, EngineLoop
 from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job, parse
 from specpilot.core.server.text import TextStream
+from specpilot.core.workload import encode_messages
 
 log = logging.getLogger("specpilot.serve")
 POLL_S = 0.5  # how often a non-streamed request checks that its client is still there
@@ -75,10 +76,7 @@ def build_app(state: ServerState) -> FastAPI:
             raise ApiError(400, "this model's tokenizer has no chat template; use /v1/completions with a prompt",
                            "messages")
         messages = [{"role": m["role"], "content": _text_parts(m["content"])} for m in body["messages"]]
-        ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
-        if hasattr(ids, "keys"):
-            ids = ids["input_ids"]
-        return [int(i) for i in ids]
+        return encode_messages(tok, messages)
 
     def encode_prompt(body: dict) -> list[int]:
         prompt = body["prompt"]
