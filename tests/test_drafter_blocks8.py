@@ -43,7 +43,7 @@ def test_the_drafter_s_logits_are_the_q8_numerics_bits(q8):
     assert recipe.weights.drafter_format == "blocks8"
     target, drafter = q8.models_for(recipe)
     assert drafter.weight_format.endswith("+blocks8") and drafter is not target
-    assert drafter.lm_head.packed is not None and target.lm_head.packed is None  # the tied Q8_0 head, repacked
+    assert drafter.lm_head.packed is not None and target.lm_head.packed is not None  # the tied Q8_0 head, repacked
     assert q8.packed_bytes(Recipe.from_dict(B8)) == 0  # memory-mapped blocks and shared cached repacks
     for p in PROMPTS:
         assert torch.equal(_logits(drafter, p), _logits(target, p))

@@ -9,7 +9,7 @@
  * Layout of the work, as ik_llama.cpp's few-row kernels: a thread owns a range of tiles of 16 weight rows (8 on
  * the AVX2 path). For each chunk of 256 values along K (a Q4_K/Q6_K superblock, or eight 32-blocks) the tile's
  * blocks are unpacked ONCE, transposed so that one vector holds 4 consecutive codes of each row (an int32 lane
- * per weight row): Q4_K and Q6_K from a repacked copy stored that way (q8_repack, below), the other formats
+ * per weight row): from a repacked copy stored that way where the format has one (q8_repack, below), the others
  * transposed into an L1 scratch. Then every activation row, up to 8 at a time, runs the same sequence: one
  * dpbusd per 4 values takes the row's 4 activations broadcast against the tile's codes, so the integer sum of
  * each weight row's sub-block builds up in its own lane, with no horizontal sums at all; the sub-block scales
@@ -48,8 +48,10 @@ enum { Q8_FORMATS(X_ENUM) T_LIMIT = 15 };
 #define QA 256           /* activation values per scale; also the K chunk a tile decodes at a time */
 #define KG (QA / 4)      /* 4-value groups in a chunk */
 #define PASS 16          /* activation rows per pass over the weights */
-#define PREFETCH_AHEAD 8 /* chunks ahead of the decoder that are prefetched: the hardware prefetchers alone
-                          * halve a 1-row pass's bandwidth here, even on the repacked copy's single stream */
+#define PREFETCH_AHEAD 32 /* chunks ahead of the decoder that are prefetched, into L2: the hardware prefetchers
+                           * alone halve a 1-row pass's bandwidth, even on the repacked copy's single stream, and
+                           * 8 chunks ahead into L1 (a 32 KiB L1d on Zen 4) evict the activations and scratch and
+                           * ran a 1-row pass at a third of the read floor there */
 #define MIN_WORK_PER_THREAD (1L << 20) /* weights x rows worth waking a thread for */
 
 typedef struct {
@@ -297,7 +299,7 @@ static inline __attribute__((always_inline)) void pf_step(pf_t *p, const job_t *
     if (p->t >= j->tile_hi) return;
     long at = p->c * cb;
     for (int r = 0; r < lanes; r++)
-        _Pragma("GCC unroll 8") for (long b = 0; b < cb; b += 64) _mm_prefetch(p->base[r] + at + b, _MM_HINT_T0);
+        _Pragma("GCC unroll 8") for (long b = 0; b < cb; b += 64) _mm_prefetch(p->base[r] + at + b, _MM_HINT_T1);
     if (++p->c == j->chunks) pf_tile(p, j, p->t + 1, lanes);
 }
 
@@ -906,7 +908,7 @@ typedef void (*SFX(chunk_fn))(const job_t *, const SFX(tile_t) *, long, scratch_
 static void SFX(chunk_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
     if (tl->rp) {
         const char *p = tl->rp + c * j->rp_chunk;
-        for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T0);
+        for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T1);
         rp_q4_k(p + 4 * LANES * tl->half, s);
     } else {
         pf_step(pf, j, LANES, BYTES_Q4_K);
@@ -920,7 +922,7 @@ static void SFX(chunk_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scrat
 static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
     if (tl->rp) {
         const char *p = tl->rp + c * j->rp_chunk;
-        for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T0);
+        for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T1);
         rp_q6_k(p + 4 * LANES * tl->half, p + 64 * 52 + 2 * LANES * tl->half, s);
     } else {
         pf_step(pf, j, LANES, BYTES_Q6_K);
@@ -938,7 +940,7 @@ static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scrat
         if (tl->rp) {                                                                                          \
             const char *p = tl->rp + c * j->rp_chunk;                                                          \
             for (long b = 0; b < j->rp_chunk; b += 64)                                                         \
-                _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T0);                               \
+                _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T1);                               \
             rp_##stem(p, tl->half, nb, s);                                                                     \
         } else {                                                                                               \
             pf_step(pf, j, LANES, 8 * BYTES_##N);                                                              \
