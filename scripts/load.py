@@ -87,6 +87,7 @@ async def level(url: str, model: str, reqs: list, concurrency: int, max_tokens: 
             results[i] = await one(client, model, r.prompt, max_tokens, system)
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
+    await client.close()  # on this event loop, before asyncio.run closes it
     wall = max(r["end"] for r in results.values()) - t0
     done = list(results.values())
     return {"concurrency": concurrency, "requests": len(done), "wall_s": wall, "requests_per_s": len(done) / wall,
@@ -196,7 +197,7 @@ def main() -> int:
                    help="requests per concurrency level (at least the concurrency: every client sends one)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--time-limit", type=float, default=900, help="seconds a level may start requests")
-    p.add_argument("--reference", default=None, help="JSON {request id: transformers' greedy text}")
+    p.add_argument("--reference", default=None, help="JSON {request id: the deployment's greedy text}")
     p.add_argument("--make-reference", default=None, metavar="TARGET",
                    help="write --reference from this checkpoint directory (f32) or .gguf file (q8), then exit")
     p.add_argument("--reference-numerics", choices=("f32", "q8"), default="f32",

@@ -2,7 +2,7 @@
 # `LLAMA_SERVER=PATH bash scripts/load_suite.sh OUT_DIR` (after `specpilot fetch qwen-coder`): the serving benchmark
 # of docs/RESULTS.md. The same streamed load (scripts/load.py: coding_chat requests, 128 tokens, greedy, at
 # concurrency 1, 4 and 16), plain and with a shared 200-token system prompt (workloads/system_prompt.txt), against
-# `specpilot serve --numerics q8` on stock-gguf-q4 under the budget batching policy and on plain decoding over the
+# `specpilot serve --numerics q8` on stock-gguf-b8 (the 0.5B drafter on its own blocks, q8) under the budget batching policy and on plain decoding over the
 # same blocks (16 rows, chunked prefill of 512 tokens a step, prefix cache), then llama.cpp's llama-server on the
 # same GGUF files: plain, with its draft model (-md) and with --spec-type ngram-mod, `-np` equal to the
 # concurrency and 1024 positions a slot. Every server gets 1 thread. Each output is compared with our own q8
@@ -17,7 +17,7 @@ paths=$($SP fetch qwen-coder --json)
 T=$(printf '%s' "$paths" | $PY -c 'import json,sys; print(json.load(sys.stdin)["target"])')
 D=$(printf '%s' "$paths" | $PY -c 'import json,sys; print(json.load(sys.stdin)["drafter"])')
 LS="${LLAMA_SERVER:-llama-server}"
-RECIPE="${RECIPE:-stock-gguf-q4}"
+RECIPE="${RECIPE:-stock-gguf-b8}"
 LEVELS="${LEVELS:-1 4 16}"
 $PY -c "import dataclasses as d, sys; from specpilot.core.recipe import builtin; r = builtin(sys.argv[1]);
 print(d.replace(r, name=r.name + '-budget', batching=d.replace(r.batching, policy='budget')).to_toml())" "$RECIPE" \

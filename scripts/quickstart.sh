@@ -6,6 +6,8 @@
 # installed torch is reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+# Never the repository root on sys.path: its kernels/ folder would hide Hugging Face's `kernels` from transformers.
+export PYTHONSAFEPATH=1
 mode="${1:-demo}"
 shift || true
 PY="${PYTHON:-python3}"

@@ -4,6 +4,12 @@ from pathlib import Path
 
 import pytest
 
+ROOT = Path(__file__).resolve().parent.parent
+# `python -m pytest` puts the repository root on sys.path, where the checkout's kernels/ folder would hide Hugging
+# Face's `kernels` package from transformers (specpilot.core refuses to import then): keep the root off it, here
+# and in every Python process a test starts.
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
+os.environ["PYTHONSAFEPATH"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -160,3 +160,26 @@ def test_a_plugin_importing_the_namespace_loads(tmp_path):
     ws = _workspace(tmp_path, PLUGIN.format(imp="from specpilot.core.mechanisms import register", tag="new"))
     assert load_workspace(ws) == ["lengthy"]
     assert lookup("draft_length", "plugin:ns_probe_new")(4, []) == 4
+
+
+def test_the_checkouts_kernels_folder_never_stands_in_for_hugging_faces(tmp_path):
+    """With Hugging Face's `kernels` installed (transformers >= 5.25 requires it) and the repository root on
+    sys.path, `import kernels` would find our folder: the core refuses to import, in one line that says what
+    to do, and with PYTHONSAFEPATH=1 (what the quick start and the tests run under) it imports."""
+    site = tmp_path / "site"
+    dist = site / "kernels-0.19.1.dist-info"  # metadata alone: installed or not, the check sees the package
+    dist.mkdir(parents=True)
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: kernels\nVersion: 0.19.1\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONSAFEPATH"}
+    env["PYTHONPATH"] = str(site)
+    probe = "import specpilot.core, kernels; print(kernels.__file__)"
+    shadowed = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=env, capture_output=True, text=True)
+    assert shadowed.returncode != 0
+    last = shadowed.stderr.strip().splitlines()[-1]
+    assert last.startswith("ImportError:") and "PYTHONSAFEPATH=1" in last
+    safe = subprocess.run([sys.executable, "-c", "import specpilot.core; print('ok')"], cwd=ROOT,
+                          env={**env, "PYTHONSAFEPATH": "1"}, capture_output=True, text=True)
+    assert safe.returncode == 0 and safe.stdout.strip() == "ok", safe.stderr[-2000:]
+    elsewhere = subprocess.run([sys.executable, "-c", "import specpilot.core; print('ok')"], cwd=tmp_path,
+                               env=env, capture_output=True, text=True)
+    assert elsewhere.returncode == 0, elsewhere.stderr[-2000:]
