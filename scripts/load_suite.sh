@@ -2,12 +2,12 @@
 # `LLAMA_SERVER=PATH bash scripts/load_suite.sh OUT_DIR` (after `specpilot fetch qwen-coder`): the serving benchmark
 # of docs/RESULTS.md. The same streamed load (scripts/load.py: coding_chat requests, 128 tokens, greedy, at
 # concurrency 1, 4 and 16), plain and with a shared 200-token system prompt (workloads/system_prompt.txt), against
-# `specpilot serve --numerics q8` on stock-gguf-b8 (the 0.5B drafter on its own blocks, q8) under the budget batching policy and on plain decoding over the
-# same blocks (16 rows, chunked prefill of 512 tokens a step, prefix cache), then llama.cpp's llama-server on the
-# same GGUF files: plain, with its draft model (-md) and with --spec-type ngram-mod, `-np` equal to the
-# concurrency and 1024 positions a slot. Every server gets 1 thread. Each output is compared with our own q8
-# plain decoding of the same request (written once per workload into OUT_DIR/ref-*.json). One JSON line per
-# system, workload and level goes to OUT_DIR/load.jsonl.
+# `specpilot serve --numerics q8` on stock-gguf-b8 (the 0.5B drafter on its own blocks, in q8) under the budget
+# batching policy and on plain decoding over the same blocks (16 rows, chunks of 512 tokens a step, the prefix
+# cache), then llama.cpp's llama-server on the same GGUF files: plain, with its draft model (-md) and with
+# --spec-type ngram-mod, `-np` equal to the concurrency and 1024 positions a slot. Every server gets 1 thread.
+# Each output is compared with our own q8 plain decoding of the same request (written once per workload into
+# OUT_DIR/ref-*.json). One JSON line per system, workload and level goes to OUT_DIR/load.jsonl.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir="$1"; mkdir -p "$dir"
@@ -30,12 +30,11 @@ for workload in plain system; do
   [ -f "$ref" ] || $PY scripts/load.py --make-reference "$T" --reference-numerics q8 --reference "$ref" \
     --requests 16 --max-tokens 128 "${extra[@]}"
   common=(--requests 8 --max-tokens 128 --json "$dir/load.jsonl" --reference "$ref" "${extra[@]}")
-  levels=$(printf '%s' "$LEVELS" | tr ' ' ,)
-  $PY scripts/load.py --serve "$ours --recipe $dir/budget.toml --port 8431" --url http://127.0.0.1:8431/v1 \
-    --name "specpilot q8 $RECIPE, budget policy" --concurrency "$levels" "${common[@]}"
-  $PY scripts/load.py --serve "$ours --recipe ar+$RECIPE --port 8432" --url http://127.0.0.1:8432/v1 \
-    --name "specpilot q8 AR" --concurrency "$levels" "${common[@]}"
-  for c in $LEVELS; do
+  for c in $LEVELS; do  # a fresh server per level, ours as the peer's: no level finds another's prompts cached
+    $PY scripts/load.py --serve "$ours --recipe $dir/budget.toml --port 8431" --url http://127.0.0.1:8431/v1 \
+      --name "specpilot q8 $RECIPE, budget policy" --concurrency "$c" "${common[@]}"
+    $PY scripts/load.py --serve "$ours --recipe ar+$RECIPE --port 8432" --url http://127.0.0.1:8432/v1 \
+      --name "specpilot q8 AR" --concurrency "$c" "${common[@]}"
     peer="$llama -np $c -c $((1024 * c)) --port 8433"
     $PY scripts/load.py --serve "$peer" --url http://127.0.0.1:8433/v1 --name "llama-server" --concurrency "$c" \
       "${common[@]}"
