@@ -130,7 +130,8 @@ BAD = [
 def test_sixteen_streams_a_third_of_them_abandoned(demo_reference):
     """16 streaming clients at once, every third one closing its stream after a few chunks: every other request
     gets exactly the text it gets alone (transformers' greedy text), every request is accounted for as finished
-    or aborted, and no row or queue slot is left held."""
+    or aborted, and no row, queue slot or KV reservation is left held, nor the KV pages the requests wrote
+    (measured: the caches' resident bytes, read from the kernel)."""
     import random
 
     tok, ref = demo_reference
@@ -167,6 +168,8 @@ def test_sixteen_streams_a_third_of_them_abandoned(demo_reference):
         assert finished == 16, m
         assert m[("specpilot_finished_requests_total", (("reason", "abort"),))] >= 1
         assert m[("specpilot_requests_in_flight", ())] == 0 and m[("specpilot_queue_depth", ())] == 0
+        assert m[("specpilot_kv_cache_reserved_bytes", ())] == 0
+        assert 0 <= m[("specpilot_kv_cache_resident_bytes", ())] < 0.01 * m[("specpilot_kv_cache_budget_bytes", ())]
         r = server.client().completions.create(model="demo", prompt=PROMPTS[0], max_tokens=LENGTHS[0], temperature=0)
         assert r.choices[0].text == ref[0]
 

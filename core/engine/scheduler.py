@@ -11,7 +11,9 @@ each row drafts is its batching policy's choice (core/engine/batching.py).
 With a token budget (`token_budget`, vLLM's max_num_batched_tokens) a step takes the decode and verify rows of
 the running requests first and then chunks of waiting prompts up to the budget, as vLLM's chunked prefill does:
 a long prompt is prefilled over several steps while the requests already decoding keep decoding. At most one
-prompt is part-way at a time, in the row after the running ones. With a prefix cache (core/engine/prefix_cache.py)
+prompt is part-way at a time, in the row after the running ones. Drafts share the budget: with a prompt waiting,
+the batching policy's depths are cut to what is left after every running row's own token and the block the
+prompt advances by, and go to the rows most likely to accept them. With a prefix cache (core/engine/prefix_cache.py)
 a prompt starts from the cached blocks it begins with. Under q8 both are exact: every position computes the
 same bits however its prompt was cut, so the tokens equal those of a prompt prefilled at once.
 
