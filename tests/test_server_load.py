@@ -15,6 +15,7 @@ from __future__ import annotations
 import concurrent.futures as cf
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -90,7 +91,9 @@ def test_q8_chunked_prefill_and_prefix_cache_serve_q8_plain_decoding(smollm2_ggu
         with cf.ThreadPoolExecutor(3) as pool:  # and together, sharing steps
             together = list(pool.map(lambda m: c.chat.completions.create(
                 model="smol", messages=m, max_tokens=20, temperature=0).choices[0].message.content, messages))
-        m = server.metrics()
+        deadline = time.monotonic() + 30  # the engine thread sets its gauges after it has sent a step's events
+        while (m := server.metrics())[("specpilot_kv_cache_reserved_bytes", ())] and time.monotonic() < deadline:
+            time.sleep(0.1)
     assert got == want and together == want
     assert _sample(m, "specpilot_prefix_cache_hits_total") >= 5 * 16  # the template and system prompt, 5 times
     assert _sample(m, "specpilot_prefix_cache_queries_total") == 2 * sum(len(i) - 1 for i in ids)
