@@ -14,6 +14,7 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+_ROOT = Path(__file__).resolve().parent.parent  # the checkout (or site-packages/specpilot once installed)
 
 
 def kernels_shadowed() -> bool:
@@ -23,11 +24,10 @@ def kernels_shadowed() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     spec = importlib.util.find_spec("kernels")
-    ours = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
-    return spec is not None and spec.origin is not None and Path(spec.origin).resolve() == ours
+    return spec is not None and spec.origin is not None and Path(spec.origin).resolve() == _ROOT / "kernels" / "__init__.py"
 
 
 if kernels_shadowed():
-    raise ImportError(f"{Path(__file__).resolve().parent.parent} is on sys.path, so its kernels/ folder hides Hugging "
+    raise ImportError(f"{_ROOT} is on sys.path, so its kernels/ folder hides Hugging "
                       "Face's `kernels` package that transformers imports; run the installed commands "
                       "(.venv/bin/specpilot), or python with -P or PYTHONSAFEPATH=1")
