@@ -17,7 +17,7 @@ from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, 
 TYPES = ["Q4_K", "Q6_K", "Q8_0", "Q5_0", "Q4_1"]
 # moderate f16 scales (d, dmin, m), cycled over the blocks: positive, negative, small, zero
 SCALES = np.array([0.011, -0.02, 0.0034, 0.5, -0.25, 0.0], dtype=np.float16)
-ISAS = ["avx2", "avx512vnni"]
+ISAS = ["avx2", "avx512vnni", "amx"]
 
 
 def kernel():

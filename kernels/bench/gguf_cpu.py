@@ -142,6 +142,9 @@ def bench_q8(mats: list[tuple[str, q8_blocks.Q8Matrix]], rows: list[int], repeat
 def main_q8(args: argparse.Namespace, threads: int) -> int:
     """--numerics q8: the q8 product over every linear of the file, against a read of the same bytes."""
     try:
+        if args.isa and q8_blocks.isa(args.isa) != args.isa:
+            print(f"error: this CPU has no {args.isa}", file=sys.stderr)
+            return 2
         mats = q8_blocks.linear_tensors(args.bench, threads)
         result, floor = bench_q8(mats, [int(r) for r in args.rows.split(",")], args.repeats, threads)
         path = q8_blocks.isa()
@@ -177,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parts", action="store_true",
                     help="also time reading, dequantising and the FMAs alone (the AVX-512 path)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    ap.add_argument("--isa", choices=q8_blocks.ISA_NAMES, default=None,
+                    help="q8: the instruction set to run (default the best this CPU has; all give the same bits)")
     ap.add_argument("--numerics", choices=("f32", "q8"), default="f32",
                     help="f32: the float32 block kernel (default); q8: the q8 product (kernels/cpu/q8_blocks.py)")
     args = ap.parse_args(argv)

@@ -19,20 +19,25 @@
  * about 40 cycles per 16 x 256 chunk (64 vpdpbusd, 8 vpmulld, ...): a 1-row pass reads at memory speed, and
  * more rows add compute.
  *
- * Two instruction sets give the same bits (the integers are exact and the float steps are the same IEEE
+ * Three instruction sets give the same bits (the integers are exact and the float steps are the same IEEE
  * operations lane by lane): AVX-512 VNNI (vpdpbusd) where the CPU has it, chosen at run time, and AVX2
- * (vpmaddubsw + vpmaddwd, whose 16-bit pair sums cannot saturate for these codes) everywhere else. Both are
- * generated from one text: this file includes itself once per instruction set (Q8_ISA).
+ * (vpmaddubsw + vpmaddwd, whose 16-bit pair sums cannot saturate for these codes) everywhere else, both generated
+ * from one text (this file includes itself once per instruction set, Q8_ISA); and on a Xeon with AMX, for products
+ * of AMX_MIN_ROWS rows or more (a prompt's prefill, a wide verify), int8 tiles (tdpbsud) that multiply 16
+ * activation rows by 16 weight rows at once, each tile's chunk decoded once for every row (the AMX path, below).
  * Codes are fed unsigned (vpdpbusd multiplies unsigned by signed bytes) and activations signed: Q8_0's codes
  * are stored + 128 and Q5_0's and Q6_K's as their unsigned fields, the offsets coming back exactly through
  * the activations' block sums (the dot of a sub-block starts from -offset * bsum instead of 0).
  * Compiled with -ffp-contract=off: no multiply and add in the float combination may fuse.
  */
 #ifndef Q8_ISA /* ---------------- common part ---------------- */
+#include <cpuid.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 /* The block formats q8 multiplies (GGML type id, values and bytes per block), as gguf_blocks.c's table. */
 #define Q8_FORMATS(X)           \
@@ -53,6 +58,9 @@ enum { Q8_FORMATS(X_ENUM) T_LIMIT = 15 };
                            * 8 chunks ahead into L1 (a 32 KiB L1d on Zen 4) evict the activations and scratch and
                            * ran a 1-row pass at a third of the read floor there */
 #define MIN_WORK_PER_THREAD (1L << 20) /* weights x rows worth waking a thread for */
+#define AMX_MIN_ROWS 16  /* activation rows from which a product takes the AMX tiles where the CPU has them: below, building
+                         * the tiles' codes costs more than the VNNI dots (1.5B target, one Xeon core: equal at 16 rows,
+                         * 1.3x faster at 32, 1.5x at 128) */
 
 typedef struct {
     const char *name;
@@ -88,6 +96,8 @@ typedef struct {
     int qtype;
     float *y;
     long ldy, tile_lo, tile_hi;
+    int amx;          /* the pass runs on AMX tiles (uses_amx) */
+    const int8_t *xt; /* AMX: the activations tile by tile (amx_layout) */
 } job_t;
 
 int q8_supported(int qtype) { return qtype >= 0 && qtype < T_LIMIT && TRAITS[qtype].name; }
@@ -311,7 +321,8 @@ static inline __attribute__((always_inline)) void pf_step(pf_t *p, const job_t *
 #include __FILE__
 #undef Q8_ISA
 
-/* -1 undecided, 0 the AVX2 path, 1 the AVX-512 VNNI path (where the CPU has it) */
+/* -1 undecided, 0 the AVX2 path, 1 the AVX-512 VNNI path, 2 AMX tiles for passes of AMX_MIN_ROWS rows or more
+ * and VNNI below (each where the CPU has it) */
 static int isa = -1;
 
 static int has_vnni512(void) {
@@ -319,18 +330,50 @@ static int has_vnni512(void) {
            __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
 }
 
-/* Select the path (want 0: AVX2, 1: AVX-512 VNNI where supported, -1: only report); returns the one in use. */
+/* AMX-TILE and AMX-INT8 (CPUID.7.0:EDX bits 24, 25), and Linux's leave to use the tile data (granted per
+ * process, once; a kernel without AMX support refuses it) */
+static int has_amx(void) {
+    static int known = -1;
+    unsigned a, b, c, d;
+    if (known < 0)
+        known = has_vnni512() && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 3) == 3 &&
+                syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+    return known;
+}
+
+/* Select the path (want 0: AVX2, 1: AVX-512 VNNI, 2: AMX, each where supported, else the best below it; -1:
+ * only report); returns the one in use. */
 int q8_isa(int want) {
-    int has512 = has_vnni512();
-    if (want >= 0) isa = want && has512;
-    if (isa < 0) isa = has512;
+    int best = has_amx() ? 2 : has_vnni512() ? 1 : 0;
+    if (want >= 0) isa = want < best ? want : best;
+    if (isa < 0) isa = best;
     return isa;
 }
 
-/* One pass: up to PASS activation rows against every weight row, the tiles shared among `threads`. */
-static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, const uint8_t *rp, long n, long row_bytes,
-                     int qtype, float *y, long ldy, int threads) {
-    int wide = q8_isa(-1);
+/* Whether a product of m activation rows runs on AMX tiles: on the AMX path, from AMX_MIN_ROWS rows, for every
+ * format but Q4_1. Such a product is one pass over the weights, whatever m: each tile's chunk is decoded once and
+ * dotted with every activation row, 16 at a time (a prompt's prefill reads the weights once, not m / 16 times). */
+static int uses_amx(long m, int qtype) { return q8_isa(-1) == 2 && m >= AMX_MIN_ROWS && qtype != T_Q4_1; }
+
+/* The activations q [m, k] as the AMX path's tiles take them: per chunk of QA values, per group of PASS rows, a
+ * PASS x QA block, rows QA bytes apart (rows past m and values past k zero). A tile then reads 1 KiB in one run,
+ * not 16 rows k bytes apart (a stride that ran the tile loads from L2 at half the speed of the products). */
+static int8_t *amx_layout(const int8_t *q, long m, long k) {
+    long groups = (m + PASS - 1) / PASS, chunks = (k + QA - 1) / QA;
+    int8_t *xt = calloc(chunks * groups * PASS, QA);
+    if (!xt) return NULL;
+    for (long i = 0; i < m; i++)
+        for (long c = 0; c < chunks; c++)
+            memcpy(xt + ((c * groups + i / PASS) * PASS + i % PASS) * QA, q + i * k + c * QA,
+                   k - c * QA < QA ? k - c * QA : QA);
+    return xt;
+}
+
+/* One pass: m activation rows (PASS at most, any number on AMX: xt their amx_layout, else NULL) against every
+ * weight row, the tiles shared among `threads`. Returns 0, or -1 out of memory. */
+static int run_pass(const xrow_t *x, const int8_t *xt, long m, long k, const uint8_t *w, const uint8_t *rp, long n,
+                    long row_bytes, int qtype, float *y, long ldy, int threads) {
+    int wide = q8_isa(-1) >= 1;
     long lanes = wide ? 16 : 8, tiles = (n + lanes - 1) / lanes, block = TRAITS[qtype].block;
     long chunk_bytes = TRAITS[qtype].bytes * (QA / block);
     long per_thread = MIN_WORK_PER_THREAD / m + 1;
@@ -339,39 +382,47 @@ static void run_pass(const xrow_t *x, long m, long k, const uint8_t *w, const ui
     if (threads > 64) threads = 64;
     if (threads < 1) threads = 1;
     job_t jobs[64];
+    int rc[64];
     for (int t = 0; t < threads; t++)
         jobs[t] = (job_t){x, m, k, (k + QA - 1) / QA, w, n, row_bytes, chunk_bytes, rp, rp ? n / 16 : 0,
-                          rp_chunk(qtype), qtype, y, ldy, tiles * t / threads, tiles * (t + 1) / threads};
-    void (*body)(const job_t *) = wide ? run_tiles_512 : run_tiles_256;
+                          rp_chunk(qtype), qtype, y, ldy, tiles * t / threads, tiles * (t + 1) / threads,
+                          xt != NULL, xt};
+    int (*body)(const job_t *) = wide ? run_tiles_512 : run_tiles_256;
     /* on the process's OpenMP team: torch's own threads, as gguf_blocks.c does */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
-    for (int t = 0; t < threads; t++) body(&jobs[t]);
+    for (int t = 0; t < threads; t++) rc[t] = body(&jobs[t]);
+    for (int t = 0; t < threads; t++)
+        if (rc[t]) return -1;
+    return 0;
 }
 
 /* y[m, n] (row stride ldy) = the q8 product of quantised activations (q [m, k], d [m, ceil(k / 256)], bsums
  * [m, k / 16], as q8_quantize writes them) and W, n stored rows of row_bytes in format qtype; rp: W's
- * repacked layout (q8_repack) or NULL. Neither is written. Rows past PASS take further passes. Returns 0, or -1
- * for bad arguments. */
+ * repacked layout (q8_repack) or NULL. Neither is written. Rows past PASS take further passes (not on AMX).
+ * Returns 0, or -1 for bad arguments or no memory. */
 int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, long k, const uint8_t *w,
               const uint8_t *rp, long n, long row_bytes, int qtype, float *y, long ldy, int threads) {
     if (!q8_supported(qtype) || m < 0 || n < 0 || k <= 0 || k % 32 || k % TRAITS[qtype].block ||
         row_bytes != k / TRAITS[qtype].block * TRAITS[qtype].bytes || (rp && !q8_repack_bytes(qtype, n, k)))
         return -1;
     if (m == 0 || n == 0) return 0;
-    long nblk = (k + QA - 1) / QA;
+    long nblk = (k + QA - 1) / QA, pass = uses_amx(m, qtype) ? m : PASS;
     int32_t *aux = malloc(sizeof(int32_t) * m * (k / 16));
-    if (!aux) return -1;
-    xrow_t x[PASS];
-    for (long m0 = 0; m0 < m; m0 += PASS) {
-        long rows = m - m0 < PASS ? m - m0 : PASS;
+    xrow_t *x = malloc(sizeof(xrow_t) * pass);
+    int8_t *xt = pass > PASS || uses_amx(m, qtype) ? amx_layout(q, m, k) : NULL;
+    int rc = aux && x && (xt || !uses_amx(m, qtype)) ? 0 : -1;
+    for (long m0 = 0; m0 < m && !rc; m0 += pass) {
+        long rows = m - m0 < pass ? m - m0 : pass;
         for (long i = 0; i < rows; i++) {
             act_table(qtype, bsums + (m0 + i) * (k / 16), k, aux + (m0 + i) * (k / 16));
             x[i] = (xrow_t){q + (m0 + i) * k, d + (m0 + i) * nblk, aux + (m0 + i) * (k / 16)};
         }
-        run_pass(x, rows, k, w, rp, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
+        rc = run_pass(x, xt, rows, k, w, rp, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
     }
     free(aux);
-    return 0;
+    free(x);
+    free(xt);
+    return rc;
 }
 
 /* q8_quantize then q8_matmul in one call (one foreign call per product for a caller with float rows). */
@@ -406,7 +457,7 @@ long q8_read(const uint8_t *p, long bytes) {
 #else /* ---------------- per-instruction-set part: Q8_ISA 512 or 256 ---------------- */
 #pragma GCC push_options
 #if Q8_ISA == 512
-#pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni")
+#pragma GCC target("avx2,f16c,avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,amx-tile,amx-int8")
 #define SFX(f) f##_512
 #define LANES 16 /* weight rows per tile */
 #define GROUP 8  /* activation rows that go through a decoded chunk together (registers: 8 sums + 8 chains) */
@@ -472,6 +523,10 @@ typedef struct {
     vi sc[16];    /* sub-block scales (Q4_K: 8 of 32 values, Q6_K: 16 of 16) */
     vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
     vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
+#if Q8_ISA == 512
+    char bt[8192] __attribute__((aligned(64))); /* AMX: codes built for the tiles (amx_q4_k's B_lo, B_hi) */
+    int32_t cbuf[2 * 4 * 256] __attribute__((aligned(64))); /* AMX: two units' sums, C[m][r] (amx4) */
+#endif
 } scratch_t;
 
 /* ---- the primitives that differ by instruction set ---- */
@@ -904,8 +959,9 @@ typedef struct {
 
 typedef void (*SFX(chunk_fn))(const job_t *, const SFX(tile_t) *, long, scratch_t *, vf *, pf_t *);
 
-/* A chunk of each format: its prefetch step, its decoding, every activation row's dot. */
-static void SFX(chunk_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+/* A chunk of each format: its prefetch step and its decoding into the scratch (load_*), then every activation
+ * row's dot (chunk_*), or on the AMX path the whole pass's rows in tiles (amx_*, below). */
+INL void SFX(load_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, pf_t *pf) {
     if (tl->rp) {
         const char *p = tl->rp + c * j->rp_chunk;
         for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T1);
@@ -914,12 +970,9 @@ static void SFX(chunk_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scrat
         pf_step(pf, j, LANES, BYTES_Q4_K);
         dec_q4_k(tl->rows, c * j->chunk_bytes, s);
     }
-#define CALL(G) dot_q4_k(s, x, c, yy, G)
-    EACH_GROUP(CALL)
-#undef CALL
 }
 
-static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+INL void SFX(load_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, pf_t *pf) {
     if (tl->rp) {
         const char *p = tl->rp + c * j->rp_chunk;
         for (long b = 0; b < j->rp_chunk; b += 64) _mm_prefetch(p + PREFETCH_AHEAD * j->rp_chunk + b, _MM_HINT_T1);
@@ -928,15 +981,26 @@ static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scrat
         pf_step(pf, j, LANES, BYTES_Q6_K);
         dec_q6_k(tl->rows, tl->offs, c * j->chunk_bytes, s);
     }
+}
+
+static void SFX(chunk_q4_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    SFX(load_q4_k)(j, tl, c, s, pf);
+#define CALL(G) dot_q4_k(s, x, c, yy, G)
+    EACH_GROUP(CALL)
+#undef CALL
+}
+
+static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    SFX(load_q6_k)(j, tl, c, s, pf);
 #define CALL(G) dot_q6_k(s, x, c, yy, G)
     EACH_GROUP(CALL)
 #undef CALL
 }
 
-#define CHUNK_B32(stem, N)                                                                                     \
-    static void SFX(chunk_##stem)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y,          \
-                                  pf_t *pf) {                                                                  \
-        const int qt = T_##N, nb = (int)((j->k - QA * c < QA ? j->k - QA * c : QA) / 32);                      \
+/* the chunk's blocks of a 32-block format (nb of them, fewer in a short last chunk), decoded */
+#define LOAD_B32(stem, N)                                                                                      \
+    INL int SFX(load_##stem)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, pf_t *pf) {           \
+        const int nb = (int)((j->k - QA * c < QA ? j->k - QA * c : QA) / 32);                                  \
         if (tl->rp) {                                                                                          \
             const char *p = tl->rp + c * j->rp_chunk;                                                          \
             for (long b = 0; b < j->rp_chunk; b += 64)                                                         \
@@ -946,14 +1010,271 @@ static void SFX(chunk_q6_k)(const job_t *j, const SFX(tile_t) *tl, long c, scrat
             pf_step(pf, j, LANES, 8 * BYTES_##N);                                                              \
             dec_##stem(tl->rows, tl->offs, c * j->chunk_bytes, nb, s);                                         \
         }                                                                                                      \
+        return nb;                                                                                             \
+    }                                                                                                          \
+    static void SFX(chunk_##stem)(const job_t *j, const SFX(tile_t) *tl, long c, scratch_t *s, vf *y,          \
+                                  pf_t *pf) {                                                                  \
+        const int qt = T_##N, nb = SFX(load_##stem)(j, tl, c, s, pf);                                          \
         EACH_GROUP(CALL_B32)                                                                                   \
     }
 #define CALL_B32(G) dot_b32(qt, s, x, c, nb, yy, G)
-CHUNK_B32(q8_0, Q8_0)
-CHUNK_B32(q5_0, Q5_0)
-CHUNK_B32(q4_1, Q4_1)
+LOAD_B32(q8_0, Q8_0)
+LOAD_B32(q5_0, Q5_0)
+LOAD_B32(q4_1, Q4_1)
 #undef CALL_B32
-#undef CHUNK_B32
+#undef LOAD_B32
+
+#if Q8_ISA == 512
+/* ---- the AMX path: every activation row against a tile's chunk in int8 tiles ----
+ * The transposed code dwords the VNNI dots read (vector i, lane r = 4 codes of weight row r) are, 16 rows of 64
+ * bytes, exactly the layout of tdpbsud's second operand; the first is 16 activation rows as quantised (rows k
+ * bytes apart). One tdpbsud per sub-block (a block, or a scale's values: 32 of them, 16 for Q6_K) gives its
+ * integer sum for 16 activation rows and 16 weight rows at once, C[m][r], so row m of C is the vector that the
+ * VNNI path's chain builds for activation row m: the integers are the same (exact), and each row then takes the
+ * same scales and the same float steps in the same order, so the bits are the same.
+ * A chunk's work is a list of units, a unit being four sub-blocks of one group of 16 activation rows (the last
+ * group overlaps the one before it when m is not a multiple of 16, so that every tile keeps 16 rows: C's rows
+ * before the group's own are skipped). Tiles: 0-3 a unit's sums, 4-5 activations, 6-7 codes. The sums go to
+ * memory, and a vector load of what a tile store has just written waits for the store to retire: so the sums of
+ * unit u are read after the tile products of unit u + 1 are issued, from the other half of cbuf. */
+static __thread long amx_rows = -1; /* the thread's tile configuration: activation rows, sub-block bytes */
+static __thread int amx_kb = -1;
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_cfg_t;
+
+static void amx_config(long m, int kb) {
+    amx_cfg_t cfg;
+    if (m == amx_rows && kb == amx_kb) return;
+    amx_rows = m, amx_kb = kb;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = 64;
+    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = (uint16_t)kb;
+    for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(kb / 4), cfg.colsb[t] = 64;
+    __asm__ volatile("" : : "r"(&cfg) : "memory"); /* GCC 12's ldtilecfg reads memory it does not declare: without
+                                                     * this barrier it drops the stores of rows and colsb as dead */
+    _tile_loadconfig(&cfg);
+}
+
+/* C of sub-blocks i < n (n <= 4): activations from xa + step * i (rows ldx apart) times codes at bb[i] (rows 64
+ * bytes apart), stored at c + 256 i (row m at c + 256 i + 16 m). Tile numbers are immediates: written out. */
+INL void amx4(const int8_t *xa, long step, long ldx, const char *const *bb, int n, int32_t *c) {
+    _tile_zero(0);
+    _tile_loadd(4, xa, ldx);
+    _tile_loadd(6, bb[0], 64);
+    _tile_dpbsud(0, 4, 6);
+    if (n > 1) {
+        _tile_zero(1);
+        _tile_loadd(5, xa + step, ldx);
+        _tile_loadd(7, bb[1], 64);
+        _tile_dpbsud(1, 5, 7);
+    }
+    if (n > 2) {
+        _tile_zero(2);
+        _tile_loadd(4, xa + 2 * step, ldx);
+        _tile_loadd(6, bb[2], 64);
+        _tile_dpbsud(2, 4, 6);
+    }
+    if (n > 3) {
+        _tile_zero(3);
+        _tile_loadd(5, xa + 3 * step, ldx);
+        _tile_loadd(7, bb[3], 64);
+        _tile_dpbsud(3, 5, 7);
+    }
+    _tile_stored(0, c, 64);
+    if (n > 1) _tile_stored(1, c + 256, 64);
+    if (n > 2) _tile_stored(2, c + 512, 64);
+    if (n > 3) _tile_stored(3, c + 768, 64);
+}
+
+/* Group g of a job's activation rows: its first row m0 and its rows mr (the tiles' rows past them are zeros) */
+typedef struct {
+    long m0, mr;
+} amx_group_t;
+
+INL amx_group_t amx_group(const job_t *j, long g) {
+    return (amx_group_t){g * PASS, j->m - g * PASS < PASS ? j->m - g * PASS : PASS};
+}
+/* row m of a group in the sums of sub-block i, stored at cb */
+#define C_ROW(cb, i, m) vload((const char *)((cb) + 256 * (i) + 16 * (m)))
+/* the activations of group g, chunk c, from value o of the chunk: a tile's rows, QA bytes apart (amx_layout) */
+#define AMX_X(g, o) (j->xt + (c * GROUPS + (g)) * (PASS * QA) + (o))
+
+/* The pipeline over a chunk's units: ISSUE(u, cb) runs the tile products of unit u into cb, FINISH(u, cb) reads
+ * them, one unit later, from the other half of cbuf. */
+#define AMX_PIPELINE(UNITS, ISSUE, FINISH)                                                                     \
+    do {                                                                                                       \
+        const long units = (UNITS);                                                                            \
+        for (long u = 0; u <= units; u++) {                                                                    \
+            if (u < units) ISSUE(u, s->cbuf + 1024 * (u % 2));                                                 \
+            if (u > 0) FINISH(u - 1, s->cbuf + 1024 * ((u - 1) % 2));                                          \
+        }                                                                                                      \
+    } while (0)
+#define GROUPS ((j->m + PASS - 1) / PASS)
+
+/* a lane's 4 code bytes (each below 16) times the lane's factor f (below 16; f | f << 16 in each lane): the
+ * products, each below 256, as bytes */
+INL vi mul_codes(vi v, vi f) {
+    __m512i even = _mm512_mullo_epi16((__m512i)(v & 0x00ff00ff), (__m512i)f);
+    __m512i odd = _mm512_mullo_epi16((__m512i)((vi)((vu)v >> 8) & 0x00ff00ff), (__m512i)f);
+    return (vi)even | (vi)((vu)(vi)odd << 8);
+}
+
+/* Q4_K: the sub-block scales go into the codes, in two parts (sc = 16 hi + lo, lo < 16, hi < 4), so that one
+ * tdpbsud takes 64 values across two sub-blocks: codes times lo (below 256, unsigned bytes as tdpbsud takes them)
+ * give C_lo, codes times hi give C_hi, and C_lo + 16 C_hi = sum_j sc_j sum q.qx, the integer dot_q4_k builds
+ * (|C_lo| < 256 * 225 * 127, no overflow). A chunk's codes are multiplied once (B_lo, B_hi: four tiles of 64
+ * values each) and serve every activation row; a unit is two groups of 16 rows, each tile of codes loaded once for
+ * both. Then dot_q4_k's float step, row by row. */
+static void amx_q4_k(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    load_q4_k_512(j, tl, c, s, pf);
+    UNROLL for (int p = 0; p < 4; p++) {
+        const vi f[4] = {(s->sc[2 * p] & 15) * 0x10001, (s->sc[2 * p] >> 4) * 0x10001,
+                         (s->sc[2 * p + 1] & 15) * 0x10001, (s->sc[2 * p + 1] >> 4) * 0x10001};
+        UNROLL for (int g = 0; g < 8; g++) {
+            vu raw = vreg(s->nib, 8 * p + g);
+            vi lo = (vi)(raw & NIB), hi = (vi)((raw >> 4) & NIB);
+            vi b[4] = {mul_codes(lo, f[0]), mul_codes(lo, f[1]), mul_codes(hi, f[2]), mul_codes(hi, f[3])};
+            memcpy(s->bt + 1024 * p + 64 * g, &b[0], 64);
+            memcpy(s->bt + 4096 + 1024 * p + 64 * g, &b[1], 64);
+            memcpy(s->bt + 1024 * p + 64 * (8 + g), &b[2], 64);
+            memcpy(s->bt + 4096 + 1024 * p + 64 * (8 + g), &b[3], 64);
+        }
+    }
+#define ISSUE(u, cb)                                                                                           \
+    do {                                                                                                       \
+        const int two = 2 * (u) + 1 < GROUPS;                                                                  \
+        const int8_t *xa = AMX_X(2 * (u), 0), *xb = AMX_X(2 * (u) + 1, 0);                                     \
+        _tile_zero(0);                                                                                         \
+        _tile_zero(1);                                                                                         \
+        _tile_zero(2);                                                                                         \
+        _tile_zero(3);                                                                                         \
+        UNROLL for (int p = 0; p < 4; p++) {                                                                   \
+            _tile_loadd(6, s->bt + 1024 * p, 64);                                                              \
+            _tile_loadd(7, s->bt + 4096 + 1024 * p, 64);                                                       \
+            _tile_loadd(4, xa + 64 * p, QA);                                                                   \
+            _tile_dpbsud(0, 4, 6);                                                                             \
+            _tile_dpbsud(1, 4, 7);                                                                             \
+            if (two) {                                                                                         \
+                _tile_loadd(5, xb + 64 * p, QA);                                                               \
+                _tile_dpbsud(2, 5, 6);                                                                         \
+                _tile_dpbsud(3, 5, 7);                                                                         \
+            }                                                                                                  \
+        }                                                                                                      \
+        _tile_stored(0, cb, 64);                                                                               \
+        _tile_stored(1, cb + 256, 64);                                                                         \
+        if (two) {                                                                                             \
+            _tile_stored(2, cb + 512, 64);                                                                     \
+            _tile_stored(3, cb + 768, 64);                                                                     \
+        }                                                                                                      \
+    } while (0)
+#define FINISH(u, cb)                                                                                          \
+    do {                                                                                                       \
+        for (long g = 2 * (u); g < 2 * (u) + 2 && g < GROUPS; g++) {                                           \
+            const amx_group_t a = amx_group(j, g);                                                             \
+            const int32_t *cg = (cb) + 512 * (g - 2 * (u));                                                    \
+            for (long m = 0; m < a.mr; m++) {                                                                  \
+                const xrow_t *x = j->x + a.m0 + m;                                                             \
+                vi isum = C_ROW(cg, 0, m) + C_ROW(cg, 1, m) * 16, msum = {0};                                  \
+                UNROLL for (int i = 0; i < 4; i++) msum = dot2(msum, s->mn[i], x->aux + 4 * c + i);           \
+                float dx = x->d[c];                                                                            \
+                y[a.m0 + m] = y[a.m0 + m] + ((dx * s->d[0]) * to_f(isum) - (dx * s->m[0]) * to_f(msum));      \
+            }                                                                                                  \
+        }                                                                                                      \
+    } while (0)
+    AMX_PIPELINE((GROUPS + 1) / 2, ISSUE, FINISH);
+#undef ISSUE
+#undef FINISH
+}
+
+/* Q6_K: sub-block sb = 8h + 2s + half holds values 16 sb..16 sb + 15, the codes of value groups 4 half..4 half + 3
+ * of q6_code(.., s); each sum starts from its offset (-32 bsum), as in dot_q6_k. Four rounds a group. */
+static void amx_q6_k(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    load_q6_k_512(j, tl, c, s, pf);
+    UNROLL for (int h = 0; h < 2; h++) UNROLL for (int g = 0; g < 8; g++) {
+        const vu ql[2] = {vreg(s->nib, 16 * h + g), vreg(s->nib, 16 * h + 8 + g)};
+        vu qh = vreg(s->qh, 8 * h + g);
+        UNROLL for (int sb = 0; sb < 4; sb++) {
+            vi code = q6_code(ql, qh, sb);
+            memcpy(s->bt + 256 * (8 * h + 2 * sb + g / 4) + 64 * (g % 4), &code, 64);
+        }
+    }
+    vi isum[PASS];
+#define ISSUE(u, cb)                                                                                           \
+    do {                                                                                                       \
+        const long r = (u) % 4;                                                                                \
+        const char *bb[4] = {s->bt + 1024 * r, s->bt + 1024 * r + 256, s->bt + 1024 * r + 512,                 \
+                             s->bt + 1024 * r + 768};                                                          \
+        amx4(AMX_X((u) / 4, 64 * r), 16, QA, bb, 4, cb);                                                      \
+    } while (0)
+#define FINISH(u, cb)                                                                                          \
+    do {                                                                                                       \
+        const long r = (u) % 4;                                                                                \
+        const amx_group_t a = amx_group(j, (u) / 4);                                                                 \
+        for (long m = 0; m < a.mr; m++) {                                                                      \
+            const int32_t *aux = j->x[a.m0 + m].aux + 16 * c + 4 * (r);                                        \
+            vi v = (r) ? isum[m] : (vi){0};                                                                    \
+            UNROLL for (int i = 0; i < 4; i++) v += (C_ROW(cb, i, m) + aux[i]) * s->sc[4 * (r) + i];       \
+            isum[m] = v;                                                                                       \
+        }                                                                                                      \
+        if (r == 3)                                                                                            \
+            for (long m = 0; m < a.mr; m++) {                                                                  \
+                float dx = j->x[a.m0 + m].d[c];                                                                \
+                y[a.m0 + m] = y[a.m0 + m] + (dx * s->d[0]) * to_f(isum[m]);                                    \
+            }                                                                                                  \
+    } while (0)
+    AMX_PIPELINE(4 * GROUPS, ISSUE, FINISH);
+#undef ISSUE
+#undef FINISH
+}
+
+/* Q8_0, Q5_0: block b's codes are the 8 vectors from cp + 512 b (a repacked Q5_0 chunk's are built first); each
+ * block's sum starts from its offset, and the blocks' terms join y in block order, as in dot_b32. Rounds of four
+ * blocks, two a group (one where the chunk is short). */
+static void amx_b32(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
+    const int nb = j->qtype == T_Q8_0 ? load_q8_0_512(j, tl, c, s, pf) : load_q5_0_512(j, tl, c, s, pf);
+    const char *cp = s->cp;
+    if (j->qtype == T_Q5_0 && s->q5) {
+        UNROLL for (int b = 0; b < 8; b++) UNROLL for (int g = 0; g < 8; g++) {
+            vi code = q5_code(s->q5, b, g);
+            memcpy(s->bt + 512 * b + 64 * g, &code, 64);
+        }
+        cp = s->bt;
+    }
+    const int rounds = (nb + 3) / 4;
+#define ISSUE(u, cb)                                                                                           \
+    do {                                                                                                       \
+        const long r = (u) % rounds;                                                                           \
+        const char *bb[4] = {cp + 2048 * r, cp + 2048 * r + 512, cp + 2048 * r + 1024, cp + 2048 * r + 1536};  \
+        amx4(AMX_X((u) / rounds, 128 * r), 32, QA, bb,                                                         \
+             nb - 4 * r < 4 ? nb - 4 * r : 4, cb);                                                             \
+    } while (0)
+#define FINISH(u, cb)                                                                                          \
+    do {                                                                                                       \
+        const long r = (u) % rounds;                                                                           \
+        const amx_group_t a = amx_group(j, (u) / rounds);                                                                 \
+        const int n = nb - 4 * (r) < 4 ? nb - 4 * (r) : 4;                                                     \
+        for (long m = 0; m < a.mr; m++) {                                                                      \
+            const xrow_t *x = j->x + a.m0 + m;                                                                 \
+            float dx = x->d[c];                                                                                \
+            vf acc = y[a.m0 + m];                                                                              \
+            for (int i = 0; i < n; i++)                                                                        \
+                acc = acc + (dx * s->d[4 * (r) + i]) * to_f(C_ROW(cb, i, m) + x->aux[8 * c + 4 * (r) + i]); \
+            y[a.m0 + m] = acc;                                                                                 \
+        }                                                                                                      \
+    } while (0)
+    AMX_PIPELINE(rounds * GROUPS, ISSUE, FINISH);
+#undef ISSUE
+#undef FINISH
+}
+#undef C_ROW
+#undef AMX_X
+#undef GROUPS
+#endif
 
 /* Tile t's blocks: repacked where the job has them, else its LANES rows as stored (past the last weight row,
  * the last again: computed, never stored), with the row prefetch stream started if it is not running. */
@@ -976,13 +1297,20 @@ static void SFX(tile_at)(const job_t *j, long t, SFX(tile_t) *tl, pf_t *pf) {
 }
 
 /* Every tile of the job, the chunks along K in order (so each output's block terms join in block order), each
- * stream (repacked, or the rows') prefetched PREFETCH_AHEAD chunks ahead. */
-static void SFX(run_tiles)(const job_t *j) {
+ * stream (repacked, or the rows') prefetched PREFETCH_AHEAD chunks ahead. Returns 0, or -1 out of memory. */
+static int SFX(run_tiles)(const job_t *j) {
     SFX(chunk_fn) fn = j->qtype == T_Q4_K ? SFX(chunk_q4_k) : j->qtype == T_Q6_K ? SFX(chunk_q6_k)
                      : j->qtype == T_Q8_0 ? SFX(chunk_q8_0) : j->qtype == T_Q5_0 ? SFX(chunk_q5_0)
                      : SFX(chunk_q4_1);
+#if Q8_ISA == 512
+    if (j->amx) {
+        fn = j->qtype == T_Q4_K ? amx_q4_k : j->qtype == T_Q6_K ? amx_q6_k : amx_b32;
+        amx_config(j->m < PASS ? j->m : PASS, j->qtype == T_Q6_K ? 16 : j->qtype == T_Q4_K ? 64 : 32);
+    }
+#endif
     scratch_t s;
-    vf y[PASS];
+    vf ybuf[PASS], *y = ybuf;
+    if (j->m > PASS && !(y = aligned_alloc(64, sizeof(vf) * j->m))) return -1; /* an AMX job takes every row */
     pf_t pf = {.t = -1};
     SFX(tile_t) tl;
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
@@ -992,6 +1320,14 @@ static void SFX(run_tiles)(const job_t *j) {
         for (long i = 0; i < j->m; i++)
             for (int r = 0; r < LANES && t * LANES + r < j->n; r++) j->y[i * j->ldy + t * LANES + r] = y[i][r];
     }
+    if (y != ybuf) free(y);
+#if Q8_ISA == 512
+    if (j->amx) {
+        _tile_release();
+        amx_rows = -1, amx_kb = -1;
+    }
+#endif
+    return 0;
 }
 
 #undef INL

@@ -32,6 +32,7 @@ from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, 
 from specpilot.kernels.reference.q8_ref import QA, Q8Activations, check_q8_type
 
 SOURCE = Path(__file__).with_name("q8_blocks.c")
+ISA_NAMES = ("avx2", "avx512vnni", "amx")
 FLAGS = ("-O3", "-mavx2", "-mf16c", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
 REPACKED = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")  # the formats with a repacked layout (q8_repack_bytes > 0)
 REPACK_LAYOUT = 1  # bump when q8_repack's layout changes: cached copies of another layout are not read
@@ -81,10 +82,11 @@ def block_traits(qtype: int) -> tuple[str, int, int] | None:
 
 
 def isa(want: str | None = None) -> str:
-    """The product's instruction set, "avx512vnni" (where the CPU has AVX-512 VNNI) or "avx2"; `want` selects
-    one for the process. Both give the same bits."""
-    code = {None: -1, "avx2": 0, "avx512vnni": 1}[want]
-    return "avx512vnni" if library().q8_isa(code) else "avx2"
+    """The product's instruction set: "amx" (AMX int8 tiles for passes of 2 rows or more, AVX-512 VNNI for one,
+    on a CPU with both), "avx512vnni" or "avx2", the best the CPU has unless `want` selects one below it for the
+    process. All give the same bits."""
+    code = {None: -1, "avx2": 0, "avx512vnni": 1, "amx": 2}[want]
+    return ISA_NAMES[library().q8_isa(code)]
 
 
 def _rows(x: torch.Tensor, k: int) -> torch.Tensor:
