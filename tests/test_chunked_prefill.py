@@ -199,7 +199,12 @@ def test_drafts_share_the_token_budget_with_waiting_prompts(q8, shared, policy):
                       token_budget=24)
     seen = []
     real = sched.policy.depths
-    sched.policy.depths = lambda alphas, cap=None: seen.append((len(alphas), cap, d := real(alphas, cap))) or d
+
+    def recording(alphas, cap=None, **owed):  # owed: what each row owes the drafter, and has left
+        seen.append((len(alphas), cap, d := real(alphas, cap, **owed)))
+        return d
+
+    sched.policy.depths = recording
     assert drive(sched, prompts, limits).tokens == reference
     capped = [(n, cap, d) for n, cap, d in seen if cap is not None and cap < 24 - n]
     assert capped, "a prompt waited beside running rows"

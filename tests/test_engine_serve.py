@@ -3,7 +3,7 @@
 import pytest
 
 from specpilot.core.engine import Engine
-from specpilot.core.engine.batching import CostTable, Policy, allocate, expected_accepted, measure_costs
+from specpilot.core.engine.batching import MAX_DEPTH, CostTable, Policy, allocate, expected_accepted, measure_costs
 from specpilot.core.engine.scheduler import Scheduler, check_fits, drive
 from specpilot.core.engine.tree import chain_paths
 from specpilot.core.engine.drafters import TreeSpec
@@ -350,7 +350,9 @@ def test_a_request_never_drafted_for_costs_the_drafter_nothing(setup, monkeypatc
     drafter = engine.drafter_for(engine_recipe())
     counting = _Counting(drafter.model)
     monkeypatch.setattr(drafter.model, "step", counting)
-    steep = CostTable({(r, t): 10.0 * r * t * t for r in (1, 2, 3) for t in range(1, MAX_DEPTH + 2)})
+    # seconds a step: what the policy learns a real step costs beyond the table (tens of ms on a loaded 2-core
+    # machine) cannot make a deeper step look cheaper
+    steep = CostTable({(r, t): 1000.0 * r * t * t for r in (1, 2, 3) for t in range(1, MAX_DEPTH + 2)})
     out = serve(engine.target, drafter, prompts, limits, spec, Policy("budget", spec, steep), max_batch=3)
     assert out.tokens == reference
     assert counting.calls == 0
@@ -393,3 +395,158 @@ def test_extend_row_appends_what_prefill_would_write(setup):
     assert int(whole.lengths[0]) == int(split.lengths[0]) == n
     assert torch.allclose(whole.k[:, :, :, :n], split.k[:, :, :, :n], atol=1e-5)
     assert torch.allclose(whole.v[:, :, :, :n], split.v[:, :, :, :n], atol=1e-5)
+
+
+# -- the drafter's owed catch-up, priced (issue 46 item 5) ----------------------------------------------------
+
+def _drafting_pays(rows: int = 3, catch_up: float | None = 0.5) -> CostTable:
+    """A verify forward costs the same at any width and a draft level 0.5 ms: drafting clearly pays while
+    nothing is owed (about 3 ms saved per token per row at batch 2 and acceptance 0.8)."""
+    return CostTable({(r, t): 10.0 for r in range(1, rows + 1) for t in range(1, MAX_DEPTH + 2)},
+                     {r: 0.5 for r in range(1, rows + 1)}, catch_up=catch_up)
+
+
+def test_budget_prices_the_catch_up_each_row_owes():
+    """A 500-token prompt owed at 0.5 ms a token is 250 ms of catch-up: over 4 tokens left it costs 62 ms per
+    token, far more than drafting saves, so the policy decodes plainly (and the drafter is never fed); over 1000
+    tokens left it is 0.125 ms per token, and the policy drafts as it does when nothing is owed."""
+    from specpilot.core.engine.batching import best_uniform_depth, drafting_saves
+
+    table = _drafting_pays()
+    assert best_uniform_depth(table, 2, 0.8) > 0
+    assert 2.0 < drafting_saves(table, 2, 0.8) < 5.0
+    assert best_uniform_depth(table, 2, 0.8, owed_ms=2 * 500 * 0.5 / 4) == 0
+    assert best_uniform_depth(table, 2, 0.8, owed_ms=2 * 500 * 0.5 / 1000) > 0
+    policy = Policy("budget", None, table)
+    free = policy.depths([0.8, 0.8])
+    assert free[0] > 0 and free == policy.depths([0.8, 0.8], owed=[0, 0], left=[4, 4])
+    assert policy.depths([0.8, 0.8], owed=[500, 500], left=[4, 4]) == [0, 0]
+    assert policy.depths([0.8, 0.8], owed=[500, 500], left=[1000, 1000]) == free
+    mixed = policy.depths([0.8, 0.8], owed=[500, 0], left=[4, 4])  # the row that owes nothing still drafts
+    assert mixed[0] == 0 and mixed[1] > 0
+
+
+def test_allocate_and_cap_spare_the_row_whose_catch_up_would_not_pay():
+    table = _drafting_pays()
+    alphas, owed, left = [0.9, 0.6, 0.6], [500, 0, 500], [4, 30, 1000]
+    for name, extra in (("allocate", {}), ("allocate", {"node_budget": 9}), ("cap", {})):
+        policy = Policy(name, None, table, **extra)
+        assert policy.depths(alphas)[0] > 0, name  # the most confident row drafts deepest when nothing is owed
+        depths = policy.depths(alphas, owed=owed, left=left)
+        assert depths[0] == 0 and depths[1] > 0 and depths[2] > 0, (name, depths)
+        if extra:
+            assert sum(depths) == 9  # its share of the node budget goes to the rows that draft
+    capped = Policy("budget", None, table).depths(alphas, node_cap=4, owed=owed, left=left)
+    assert capped[0] == 0 and sum(capped) == 4  # a token budget's cut keeps the spared row spared
+
+
+def test_probes_spare_the_rows_whose_catch_up_no_acceptance_would_repay():
+    from specpilot.core.engine.batching import PROBE_EVERY
+
+    steep = {(2, t): 6.0 + 4.0 * t for t in range(1, MAX_DEPTH + 2)}  # drafting pays only at high acceptance
+    table = CostTable(steep, {2: 0.1}, catch_up=0.5)
+    policy = Policy("budget", None, table)
+    seen = [policy.depths([0.1, 0.1], owed=[500, 3], left=[2, 100]) for _ in range(PROBE_EVERY)]
+    assert seen[:-1] == [[0, 0]] * (PROBE_EVERY - 1) and seen[-1] == [0, 1]
+    hopeless = Policy("budget", None, table)
+    assert all(hopeless.depths([0.1, 0.1], owed=[500, 500], left=[2, 2]) == [0, 0] for _ in range(4 * PROBE_EVERY))
+
+
+def test_the_catch_up_price_is_learned_from_the_catch_ups_timed():
+    table = _drafting_pays(catch_up=0.5)
+    policy = Policy("budget", None, table)
+    assert policy.catch_up_price() == 0.5
+    policy.observe_catch_up(100, 200.0)  # 2 ms a token in this deployment
+    assert policy.catch_up_price() == 2.0
+    policy.observe_catch_up(10, 70.0)
+    assert policy.catch_up_price() == pytest.approx(0.8 * 2.0 + 0.2 * 7.0)
+    assert policy.owed_ms(2) == [0.0, 0.0]  # nothing owed until depths() is told
+    policy.depths([0.8, 0.8], owed=[30, 0], left=[10, 5])
+    assert policy.owed_ms(2) == [pytest.approx(3 * policy.catch_up_price()), 0.0]
+    fixed = Policy("fixed", None, table)
+    fixed.observe_catch_up(100, 200.0)
+    assert fixed.catch_up_price() == 0.5
+
+
+def test_the_cost_table_keeps_its_catch_up_price_and_reads_tables_kept_without_one():
+    table = _drafting_pays(catch_up=0.25)
+    back = CostTable.from_dict(table.to_dict())
+    assert back == table and back.catch_up == 0.25 and back.catch_up_ms() == 0.25
+    old = table.to_dict()
+    del old["catch_up"]
+    legacy = CostTable.from_dict(old)
+    assert legacy.catch_up is None and legacy.verify == table.verify and legacy.draft == table.draft
+    assert legacy.catch_up_ms() == 0.5  # unmeasured: the cheapest drafter forward per owed token
+    assert "catch_up" not in legacy.to_dict()
+    assert CostTable({(1, 1): 1.0}).catch_up_ms() == 0.0  # no drafter model: nothing is owed a model
+    with pytest.raises(ValueError):
+        CostTable.from_dict({**old, "catch_up": -1.0})
+    with pytest.raises(ValueError):
+        CostTable.from_dict({**old, "catch_up": "fast"})
+
+
+def test_measure_costs_prices_the_drafters_catch_up(setup):
+    from specpilot.core.engine.batching import measure_catch_up
+
+    engine, _, _, _, table = setup
+    assert table.catch_up is not None and table.catch_up > 0
+    assert measure_catch_up(engine.drafter_model, repeats=1) > 0
+    assert measure_costs(engine.target, None, [1], repeats=1).catch_up is None  # prompt lookup owes nothing
+
+
+def test_a_model_drafter_counts_what_each_row_owes(setup):
+    """owed: the prompt beyond its root after admission, nothing after catch_up, the tokens of every step that
+    drafted nothing for the row since; a row a drafting step leaves out is not fed, keeps owing, and drafts
+    afterwards exactly as a row never left out."""
+    from specpilot.core.engine.drafters import CATCH_UP, DraftMode, ModelDrafter
+
+    engine, prompts, _, _, _ = setup
+    long, short = prompts[6], prompts[1]
+    assert len(long) - 1 > CATCH_UP
+    spec = TreeSpec("static", chain_paths(3))
+
+    def fresh():
+        d = ModelDrafter(engine.drafter_model)
+        d.open(2, 128)
+        d.admit(long)
+        d.admit(short)
+        return d
+
+    left_out, never = fresh(), fresh()
+    assert [left_out.owed(0), left_out.owed(1)] == [len(long) - 1, len(short) - 1]
+    left_out.commit([0, 1], [[], []], [[7], [8]])  # a step that drafted nothing
+    assert [left_out.owed(0), left_out.owed(1)] == [len(long), len(short)]
+    left_out.catch_up(active=[False, True])
+    assert left_out.owed(0) == len(long) and left_out.owed(1) == len(short)  # short owes <= CATCH_UP: kept
+    left_out.catch_up(least=1, active=[False, True])
+    assert left_out.owed(0) == len(long) and left_out.owed(1) == 0
+    trees = left_out.draft(spec, DraftMode(), [False, True])
+    assert len(trees[0]) == 1 and len(trees[1]) > 1
+    assert left_out.owed(0) == len(long)  # left out: not caught up
+    left_out.commit([0, 1], [[], [1]], [[9], [trees[1].tokens[1], 5]])
+    assert left_out.owed(0) == len(long) + 1 and left_out.owed(1) == 0
+    never.commit([0, 1], [[], []], [[7], [8]])
+    never.commit([0, 1], [[], []], [[9], [trees[1].tokens[1], 5]])
+    assert left_out.pending[0] == never.pending[0]
+    for d in (left_out, never):
+        d.catch_up()
+        assert d.owed(0) == 0
+    a = left_out.draft(spec, DraftMode(), [True, False])[0]
+    b = never.draft(spec, DraftMode(), [True, False])[0]
+    assert a.tokens == b.tokens and a.parents == b.parents
+
+
+def test_the_scheduler_tells_the_policy_what_rows_owe(setup, monkeypatch):
+    """Served under prices where drafting pays but each owed token costs the drafter 1000 s, no row's catch-up
+    ever pays: the drafter's model never runs. At 1 ns a token it drafts (and the tokens are AR's both ways)."""
+    engine, prompts, limits, reference, _ = setup
+    spec = TreeSpec("static", chain_paths(4))
+    for price, drafts in ((1e6, False), (1e-6, True)):
+        drafter = engine.drafter_for(engine_recipe())
+        counting = _Counting(drafter.model)
+        monkeypatch.setattr(drafter.model, "step", counting)
+        table = _drafting_pays(rows=3, catch_up=price)
+        out = serve(engine.target, drafter, prompts, limits, spec, Policy("budget", spec, table), max_batch=3)
+        assert out.tokens == reference
+        assert (counting.calls > 0) == drafts, price
+        monkeypatch.undo()

@@ -3,11 +3,11 @@
 Batching policies (kind "batching" in core/mechanisms.py, registered at the end of this module, looked up by
 name) decide each row's draft depth per step:
   fixed     the recipe's tree for every row (stock behaviour);
-  budget    one chain depth for all rows, chosen from the measured verification cost at the current batch
-            size (down to 0: no speculation where it stops paying, with a 1-token probe step after
-            PROBE_EVERY undrafted steps, then after twice as many each time a probe changes nothing, up
-            to PROBE_MAX, so the rows' acceptance estimates stay current at a bounded cost; no probe
-            where even the best acceptance would not draft);
+  budget    one chain depth for all rows (those worth drafting for, below), chosen from the measured
+            verification cost at the current batch size (down to 0: no speculation where it stops paying,
+            with a 1-token probe step after PROBE_EVERY undrafted steps, then after twice as many each time
+            a probe changes nothing, up to PROBE_MAX, so the rows' acceptance estimates stay current at a
+            bounded cost; no probe where even the best acceptance would not draft);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
@@ -18,6 +18,18 @@ cost beyond it (verification around the forward, commit, bookkeeping, a cache th
 the policy measures as the run goes; a depth not yet tried is priced with the nearest one measured. Every
 step pays the part that does not grow with depth, so it is what speculation amortises; the part that does
 grow keeps wide steps from looking cheaper than they are.
+
+Drafting for a row also pays what the row owes the drafter (Drafter.owed): a model drafter reads a prompt
+only when the row is first drafted for, and tokens emitted in steps that drafted nothing for it pile up,
+so the first step that drafts for it feeds them all (ModelDrafter.catch_up). The policy prices that
+catch-up at the table's `catch_up` ms per token, corrected by the catch-ups the scheduler times, and
+spreads it over the tokens the row has left to generate, since once caught up the row drafts for the rest
+of its life: a row owing o tokens with r left adds o * catch_up * E_d / r to a step of depth d > 0 (E_d
+the tokens a step of depth d is expected to give it), nothing at depth 0. A row whose catch-up costs more
+per token left than drafting could save it per token (`Policy.worth_drafting`) gets depth 0 from the
+budget, allocate and cap policies, and the drafter leaves it owing; under load, where every new request
+owes its whole prompt, that is what keeps speculation from paying a drafter prefill per request that it
+never earns back.
 """
 
 from __future__ import annotations
@@ -41,30 +53,51 @@ PROBE_MAX = 128  # the longest wait between probes that keep finding drafting no
 ALPHA_MAX = 0.95  # the highest per-token acceptance a row's estimate can reach (samples are clipped to it)
 
 
+CATCH_UP_TOKENS = 64  # the run of tokens measure_costs feeds one drafter row to price its catch-up per token
+
+
 @dataclass
 class CostTable:
-    """Measured ms of a target forward of `rows x tokens` and of a drafter forward of `rows x 1`."""
+    """Measured ms of a target forward of `rows x tokens`, of a drafter forward of `rows x 1`, and per token of
+    a drafter forward fed a run of tokens in one row (`catch_up`: what ModelDrafter.catch_up does; None where
+    it was not measured, see `catch_up_ms`)."""
 
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
     source: str = ""  # where the prices came from, said to the user: measured now, or the file they were read from
+    catch_up: float | None = None
 
     def to_dict(self) -> dict:
         """The prices as JSON-able lists (core/engine/cost_store.py keeps them per deployment)."""
-        return {"verify": [[r, t, ms] for (r, t), ms in sorted(self.verify.items())],
-                "draft": [[r, ms] for r, ms in sorted(self.draft.items())]}
+        out: dict = {"verify": [[r, t, ms] for (r, t), ms in sorted(self.verify.items())],
+                     "draft": [[r, ms] for r, ms in sorted(self.draft.items())]}
+        if self.catch_up is not None:
+            out["catch_up"] = self.catch_up
+        return out
 
     @classmethod
     def from_dict(cls, data: dict, source: str = "") -> "CostTable":
-        """The table `to_dict` wrote; ValueError on anything else."""
+        """The table `to_dict` wrote; ValueError on anything else. A table kept before the catch-up price
+        existed has none (catch_up None): it loads, and Engine.cost_table measures that price alone."""
         try:
             verify = {(int(r), int(t)): float(ms) for r, t, ms in data["verify"]}
             draft = {int(r): float(ms) for r, ms in data["draft"]}
-        except (KeyError, TypeError, ValueError) as exc:
+            catch_up = None if data.get("catch_up") is None else float(data["catch_up"])
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a cost table ({type(exc).__name__}: {exc})") from None
-        if not verify or any(ms <= 0 for ms in [*verify.values(), *draft.values()]):
+        prices = [*verify.values(), *draft.values(), *([] if catch_up is None else [catch_up])]
+        if not verify or any(ms <= 0 for ms in prices):
             raise ValueError("not a cost table (no prices, or a price that is not positive)")
-        return cls(verify, draft, source)
+        return cls(verify, draft, source, catch_up)
+
+    def catch_up_ms(self) -> float:
+        """ms per token the drafter owes a row: the measured price, or without one the cheapest measured drafter
+        forward per token (as if each owed token took a one-token forward of its own: an upper bound, since a
+        run of tokens shares the weights' reads, so a table without the price errs towards not drafting for rows
+        that owe much); 0 with no drafter forward measured (prompt lookup owes nothing)."""
+        if self.catch_up is not None:
+            return self.catch_up
+        return min(self.draft.values(), default=0.0)
 
     def verify_ms(self, rows: int, tokens: int) -> float:
         """Measured cost, or for an unmeasured batch size the nearest measured one scaled by rows."""
@@ -95,7 +128,9 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
 
     The token counts of a batch size are timed in interleaved rounds (median per count): a policy compares
     depths by their ratio, and on a shared machine a slow spell that fell on one count's samples alone once
-    priced 2 tokens per row at 2.4x one token (1.5x measured interleaved), so batch 16 never speculated."""
+    priced 2 tokens per row at 2.4x one token (1.5x measured interleaved), so batch 16 never speculated.
+    The drafter's catch-up (one row fed CATCH_UP_TOKENS tokens from empty, as a fresh prompt is) is timed
+    in the same rounds; its price is the median over every batch size's rounds, per token."""
     table = CostTable()
 
     def timed(model: Transformer, cache: KVCache, rows: int, tokens: int) -> float:
@@ -110,6 +145,8 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
         return (time.perf_counter() - t0) * 1e3
 
     counts = range(1, max_depth + 2)
+    row = None if drafter is None else drafter.new_cache(1, CATCH_UP_TOKENS)
+    catch_ups: list[float] = []
     for rows in batch_sizes:
         cache = target.new_cache(rows, context + max_depth + 2)
         cache.lengths.fill_(context)
@@ -127,11 +164,35 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
                 ms = timed(drafter, small, rows, 1)
                 if round_:
                     drafts.append(ms)
+                ms = _timed_catch_up(drafter, row)
+                if round_:
+                    catch_ups.append(ms)
         for tokens, ms in samples.items():
             table.verify[(rows, tokens)] = statistics.median(ms)
         if drafts:
             table.draft[rows] = statistics.median(drafts)
+    if catch_ups:
+        table.catch_up = statistics.median(catch_ups) / CATCH_UP_TOKENS
     return table
+
+
+def _timed_catch_up(drafter: Transformer, cache: KVCache) -> float:
+    """ms of one drafter forward feeding CATCH_UP_TOKENS tokens to the empty row of `cache` (model.extend_row)."""
+    cache.lengths.zero_()
+    with torch.inference_mode():
+        sync(drafter.device)
+        t0 = time.perf_counter()
+        drafter.extend_row(cache, 0, [0] * CATCH_UP_TOKENS)
+        sync(drafter.device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure_catch_up(drafter: Transformer, repeats: int = 5) -> float:
+    """The drafter's catch-up price alone (ms per token, as measure_costs times it): for a kept table measured
+    before that price existed, so it is completed without timing the target again."""
+    cache = drafter.new_cache(1, CATCH_UP_TOKENS)
+    samples = [_timed_catch_up(drafter, cache) for _ in range(repeats + 1)][1:]  # the first warms up
+    return statistics.median(samples) / CATCH_UP_TOKENS
 
 
 def acceptance_sample(accepted: int, drafted: int) -> float:
@@ -147,24 +208,54 @@ def expected_accepted(alpha: float, depth: int) -> float:
     return sum(alpha ** k for k in range(depth + 1))
 
 
-def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
-                       overhead_ms: dict[int, float] | None = None) -> int:
-    """Depth maximising tokens per ms at this batch size (0 = plain decoding); `overhead_ms` maps a depth
-    to what a step of it costs besides the table's forward and drafting (nearest measured depth if absent)."""
+def step_price(table: CostTable, rows: int, depth: int, overhead_ms: dict[int, float] | None = None) -> float:
+    """ms of a step of `rows` drafting chains of `depth`: the table's forward and drafting, plus `overhead_ms`
+    (depth -> what a step of it costs besides them; the nearest measured depth if absent)."""
     seen = overhead_ms or {}
+    extra = seen[min(seen, key=lambda k: (abs(k - depth), k))] if seen else 0.0
+    return table.verify_ms(rows, depth + 1) + depth * table.draft.get(rows, 0.0) + extra
+
+
+def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
+                       overhead_ms: dict[int, float] | None = None, owed_ms: float = 0.0,
+                       drafting: int | None = None) -> int:
+    """Depth maximising tokens per ms at this batch size (0 = plain decoding); `overhead_ms` maps a depth
+    to what a step of it costs besides the table's forward and drafting (nearest measured depth if absent).
+    `owed_ms` is the drafting rows' catch-up per token each has left, summed (Policy.owed_ms): a step of depth
+    d > 0 pays expected_accepted(alpha, d) times it, the catch-up spread over those rows' remaining tokens.
+    `drafting` rows of the `rows` draft (default all); the others decode plainly, a token per step, in the
+    same forward."""
+    m = rows if drafting is None else drafting
+    if m <= 0:
+        return 0
 
     def rate(d: int) -> float:
-        extra = seen[min(seen, key=lambda k: (abs(k - d), k))] if seen else 0.0
-        cost = table.verify_ms(rows, d + 1) + d * table.draft.get(rows, 0.0) + extra
-        return expected_accepted(alpha, d) / cost
+        gained = expected_accepted(alpha, d)
+        cost = step_price(table, rows, d, overhead_ms) + (gained * owed_ms if d else 0.0)
+        if m < rows:
+            gained = (m * gained + rows - m) / rows
+        return gained / cost
     return max(range(max_depth + 1), key=rate)
 
 
-def allocate(alphas: list[float], nodes: int, max_depth: int = MAX_DEPTH) -> list[int]:
-    """Spread `nodes` draft tokens over rows greedily by marginal expected acceptance alpha^(d+1)."""
+def drafting_saves(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
+                   overhead_ms: dict[int, float] | None = None) -> float:
+    """ms of step time per token that drafting at its best depth saves a row of acceptance `alpha` at this
+    batch size, against plain decoding (each row's share of a step, per token it gains): what its catch-up,
+    per token it has left, must stay under for drafting to pay for it. <= 0 where drafting does not pay."""
+    plain = step_price(table, rows, 0, overhead_ms) / rows
+    return max((plain - step_price(table, rows, d, overhead_ms) / (rows * expected_accepted(alpha, d))
+                for d in range(1, max_depth + 1)), default=0.0)
+
+
+def allocate(alphas: list[float], nodes: int, max_depth: int = MAX_DEPTH,
+             rows: list[bool] | None = None) -> list[int]:
+    """Spread `nodes` draft tokens over rows greedily by marginal expected acceptance alpha^(d+1); only the
+    `rows` marked True (default all) get any."""
     depths = [0] * len(alphas)
     for _ in range(max(0, nodes)):
-        gains = [a ** (d + 1) if d < max_depth else -1.0 for a, d in zip(alphas, depths)]
+        gains = [a ** (d + 1) if d < max_depth and (rows is None or rows[i]) else -1.0
+                 for i, (a, d) in enumerate(zip(alphas, depths))]
         best = max(range(len(alphas)), key=lambda i: gains[i])
         if gains[best] <= 0:
             break
@@ -190,8 +281,12 @@ class Policy:
     overhead_ms: dict[int, dict[int, float]] = field(default_factory=dict)  # rows -> depth -> ms
     idle: int = 0  # steps in a row that drafted nothing
     probe_every: int = PROBE_EVERY  # undrafted steps before the next probe
+    catch_up_seen: float | None = None  # ms per owed token the scheduler's catch-ups took (moving average)
+    owed: list[int] = field(default_factory=list)  # this step's rows: tokens each owes the drafter (see depths)
+    left: list[int] = field(default_factory=list)  # this step's rows: tokens each has left to generate
 
-    def depths(self, alphas: list[float], node_cap: int | None = None) -> list[int] | None:
+    def depths(self, alphas: list[float], node_cap: int | None = None, *, owed: list[int] | None = None,
+               left: list[int] | None = None) -> list[int] | None:
         """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
         Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
@@ -204,37 +299,100 @@ class Policy:
 
         `node_cap` is how many draft tokens the step may carry (a scheduler's token budget, less the rows' own
         tokens and the prompt chunk that must advance beside them): depths over it are cut back to the tokens
-        most likely to be accepted, spread over rows by their acceptance (`allocate`), so under a full budget
-        confident rows keep drafting and the others decode plainly."""
+        most likely to be accepted, spread over rows by their acceptance (`allocate`) among the rows the policy
+        drafted for, so under a full budget confident rows keep drafting and the others decode plainly.
+
+        `owed` and `left` (keyword, per row, both or neither) are the tokens each row owes the drafter
+        (Drafter.owed) and has left to generate: the registered policies read them as `self.owed` / `self.left`
+        to price each row's catch-up (`owed_ms`, `worth_drafting`); without them nothing is owed. A probe
+        drafts only for the rows whose catch-up an acceptance of ALPHA_MAX would repay."""
+        n = len(alphas)
+        self.owed = [0] * n if owed is None else list(owed)
+        self.left = [1] * n if left is None else list(left)
         depths = lookup("batching", self.name)(self, alphas)
         if depths is not None and node_cap is not None and sum(depths) > node_cap:
-            depths = allocate(alphas, max(0, node_cap), max(depths))
+            depths = allocate(alphas, max(0, node_cap), max(depths), [d > 0 for d in depths])
         if depths is None or max(depths, default=0) > 0:
             self.idle = 0
             self.probe_every = PROBE_EVERY
             return depths
         self.idle += 1
-        if self.idle < self.probe_every or not self._could_draft(len(depths)):
+        if self.idle < self.probe_every:
+            return depths
+        probe = self._probe(n)
+        if probe is None:
             return depths
         self.idle = 0
         self.probe_every = min(2 * self.probe_every, PROBE_MAX)
-        return [1] * len(depths)
+        return probe
 
     @property
     def per_row(self) -> bool:
         """Whether the policy chooses each row's depth (False: every row drafts the recipe's tree)."""
         return self.name != "fixed" and self.table is not None
 
-    def _could_draft(self, rows: int) -> bool:
-        """Whether drafting could pay at this batch size if every row's acceptance were ALPHA_MAX."""
+    def _probe(self, rows: int) -> list[int] | None:
+        """A probe's depths (a token for each row whose catch-up it would repay), or None where drafting could
+        not pay at this batch size even if every row's acceptance were ALPHA_MAX."""
         if self.table is None:
-            return True
-        return best_uniform_depth(self.table, rows, ALPHA_MAX, overhead_ms=self.overhead_ms.get(rows)) > 0
+            return [1] * rows
+        best = [ALPHA_MAX] * rows
+        worth = self.worth_drafting(best)
+        owed = sum(o for o, w in zip(self.owed_ms(rows), worth) if w)
+        if best_uniform_depth(self.table, rows, ALPHA_MAX, overhead_ms=self.overhead_ms.get(rows), owed_ms=owed,
+                              drafting=sum(worth)) == 0:
+            return None
+        return [int(w) for w in worth]
+
+    def catch_up_price(self) -> float:
+        """ms per token a row owes the drafter: what the scheduler's catch-ups took (observe_catch_up), or
+        before any the table's price (CostTable.catch_up_ms)."""
+        if self.catch_up_seen is not None:
+            return self.catch_up_seen
+        return 0.0 if self.table is None else self.table.catch_up_ms()
+
+    def owed_ms(self, rows: int) -> list[float]:
+        """This step's rows' catch-up spread over the tokens each has left: owed x catch_up_price / left, ms
+        per token it generates (0 for a row that owes nothing). Times the tokens a step gives a row, it is
+        what that step pays for the row's catch-up, since once caught up the row drafts for the rest of its
+        life."""
+        if len(self.owed) != rows:  # the registered policy was called outside depths: nothing is known owed
+            return [0.0] * rows
+        price = self.catch_up_price()
+        return [price * o / max(r, 1) if o > 0 else 0.0 for o, r in zip(self.owed, self.left)]
+
+    def worth_drafting(self, alphas: list[float]) -> list[bool]:
+        """Which rows drafting could pay for this step: those that owe the drafter nothing, and those whose
+        catch-up per token left (owed_ms) is less than drafting at its best depth saves the row per token
+        (drafting_saves, at this batch size and with the overhead learned for it). A row that fails gets depth
+        0 and keeps owing: it is spared the catch-up that no speculation it has left would earn back. The
+        test prices each row as if all drafted, and a padded target's step as wide as the deepest row's: a
+        simple bound, not a joint optimum."""
+        rows = len(alphas)
+        owed = self.owed_ms(rows)
+        if self.table is None or not any(owed):
+            return [True] * rows
+        over = self.overhead_ms.get(rows)
+        return [o == 0 or o < drafting_saves(self.table, rows, a, overhead_ms=over) for a, o in zip(alphas, owed)]
+
+    def observe_catch_up(self, tokens: int, ms: float) -> None:
+        """Learn what the drafter's catch-up costs per owed token from one the scheduler timed (`tokens` owed
+        tokens fed in `ms`): a moving average that replaces the table's price, which was measured on a short
+        run of tokens from an empty row and not on this deployment's prompts, prefix cache and context."""
+        if self.table is None or self.name == "fixed" or tokens <= 0:
+            return
+        seen = ms / tokens
+        self.catch_up_seen = seen if self.catch_up_seen is None else 0.8 * self.catch_up_seen + 0.2 * seen
 
     def observe(self, depths: list[int], step_ms: float) -> None:
         """Learn what a step of this batch size and depth (the deepest draft; the mean one on a ragged
         target) costs beyond the table's price, from one whose rows drafted `depths` and took `step_ms`
-        (admission and prefill excluded); a moving average per depth."""
+        (admission and prefill excluded); a moving average per depth.
+
+        The drafter's catch-up is not in `step_ms`: the scheduler runs it before the step and reports it to
+        `observe_catch_up` instead. It is a one-off per row, priced explicitly and spread over the row's
+        remaining tokens (owed_ms); learned here it would be charged again to every later step of the depth
+        it happened to fall in, and it would swing with which rows joined, not with the depth."""
         if self.table is None or self.name == "fixed":
             return
         rows, deepest = len(depths), max(depths)
@@ -246,17 +404,27 @@ class Policy:
 
 
 def _batching(name: str) -> Callable[[Policy, list[float]], list[int] | None]:
+    """The built-in policies. Each drafts only for the rows worth it (Policy.worth_drafting: their catch-up
+    repaid), at a uniform depth priced for those rows' mean acceptance and summed catch-up (owed_ms); budget
+    gives them all that depth, allocate and cap spread its nodes (or the recipe's budget, or the cap) over
+    them by acceptance. With nothing owed every row is worth it, as before catch-up was priced."""
     def policy(p: Policy, alphas: list[float]) -> list[int] | None:
         if name == "fixed" or p.table is None:
             return None
         n = len(alphas)
-        uniform = best_uniform_depth(p.table, n, sum(alphas) / n, overhead_ms=p.overhead_ms.get(n))
+        worth = p.worth_drafting(alphas)
+        m = sum(worth)
+        if m == 0:
+            return [0] * n
+        alpha = sum(a for a, w in zip(alphas, worth) if w) / m
+        owed = sum(o for o, w in zip(p.owed_ms(n), worth) if w)
+        uniform = best_uniform_depth(p.table, n, alpha, overhead_ms=p.overhead_ms.get(n), owed_ms=owed, drafting=m)
         if name == "budget":
-            return [uniform] * n
+            return [uniform if w else 0 for w in worth]
         if name == "allocate":
-            return allocate(alphas, p.node_budget or n * uniform)
+            return allocate(alphas, p.node_budget or m * uniform, rows=worth)
         cap = p.token_cap or bend(p.table, n)
-        return allocate(alphas, min(cap - n, n * max(uniform, 1)))
+        return allocate(alphas, min(cap - n, m * max(uniform, 1)), rows=worth)
     return policy
 
 

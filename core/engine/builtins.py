@@ -20,7 +20,7 @@ fn(engine, recipe, target, drafter_model) -> core.engine.drafters.Drafter
 Builds the drafter for a recipe: `target` and `drafter_model` are the loaded Transformers (drafter_model
 may be None) with the recipe's weight format and linear backend applied. A Drafter (an abstract class; its
 docstring gives the lifecycle) implements open/admit/draft(spec, mode, active) -> list[DraftTree]/commit/
-move/drop_last, and catch_up where it owes its model work (subclass ModelDrafter or NgramDrafter and
+move/drop_last, and owed/catch_up where it owes its model work (subclass ModelDrafter or NgramDrafter and
 override what you change).''', '''
 from specpilot.core.engine.drafters import NgramDrafter
 from specpilot.core.mechanisms import register
@@ -71,7 +71,9 @@ define_kind("batching", "batching.policy", '''
 fn(policy: core.engine.batching.Policy, alphas: list[float]) -> list[int] | None
 Per-row chain depths for one continuous-batching step (None = the recipe's tree unchanged). `alphas` are
 the rows' running acceptance estimates; `policy.table` prices steps (verify_ms(rows, tokens), draft[rows]),
-policy.node_budget / token_cap are the recipe's [batching] values.''', '''
+policy.node_budget / token_cap are the recipe's [batching] values. policy.owed / policy.left are the tokens
+each row owes the drafter and has left to generate; policy.worth_drafting(alphas) says which rows' catch-up
+drafting would repay (a row given depth 0 is not caught up).''', '''
 from specpilot.core.mechanisms import register
 
 def confident(policy, alphas):

@@ -70,8 +70,10 @@ class Drafter(ABC):
 
         open(max_batch, max_len)    start with room for `max_batch` rows and none admitted
         admit(prompt) -> row        take a request into the next row; its prompt may wait for catch_up
-        catch_up()                  feed what admitted rows still owe before a step that drafts
-        draft(spec, mode, active)   one tree per row (a root alone for an inactive row)
+        owed(row) -> int            tokens the row owes the drafter's model (what catch_up would feed it)
+        catch_up(active=None)       feed what admitted rows still owe before a step that drafts for them
+        draft(spec, mode, active)   one tree per row (a root alone for an inactive row, which may keep
+                                    owing what it owes)
         commit(rows, paths, tokens) keep what the target accepted in the rows stepped, bonus token included
         move(src, dst), drop_last() a finished request leaves: the last row moves into its place
 
@@ -94,10 +96,18 @@ class Drafter(ABC):
     def admit(self, prompt: list[int]) -> int:
         """Add a request in the next free row; returns the row."""
 
-    def catch_up(self, least: int = CATCH_UP) -> None:
+    def owed(self, row: int) -> int:
+        """Tokens row `row` owes the drafter's model beyond its next draft's root (its prompt until it is first
+        drafted for, and the tokens emitted in steps that drafted nothing for it): what catch_up would feed it.
+        Batching policies price this catch-up before they draft for a row. Read-only; 0 for a drafter that owes
+        nothing (prompt lookup)."""
+        return 0
+
+    def catch_up(self, least: int = CATCH_UP, active: list[bool] | None = None) -> None:
         """Feed what admitted requests still owe the drafter's model (their prompts, tokens emitted while
-        nothing was drafted) before a step that drafts, so the step's own timing holds drafting alone. A
-        drafter that owes nothing (prompt lookup) keeps this no-op."""
+        nothing was drafted) before a step that drafts, so the step's own timing holds drafting alone; rows not
+        `active` (default: every row is) are left owing it. A drafter that owes nothing (prompt lookup) keeps
+        this no-op."""
 
     def reuse_prefixes(self, cache: PrefixCache) -> None:
         """Keep the KV blocks of what rows were fed in `cache` and start rows from them, as the target does with
@@ -133,6 +143,7 @@ class ModelDrafter(Drafter):
         self.base: list[int] = []
         self.fed: list[dict[int, int]] = []
         self.drafted = False  # whether a draft awaits its commit
+        self.skipped: list[bool] = []  # per row of the draft awaiting commit: not active, so nothing was fed
         self.prefix: PrefixCache | None = None
 
     def open(self, max_batch: int, max_len: int) -> None:
@@ -150,14 +161,17 @@ class ModelDrafter(Drafter):
         self.pending.append(list(prompt))
         return row
 
-    def catch_up(self, least: int = CATCH_UP) -> None:
-        """Feed every row owing more than `least` tokens through one forward of its own (the prompt path for
-        a prompt), keeping its last token pending as the next draft's root; a drafting step then only feeds a
-        few pending tokens per row, not a batch padded to the longest prompt. A fresh row's forward is the
-        prefill it would have had at admission, bit for bit."""
+    def owed(self, row: int) -> int:
+        return len(self.pending[row]) - 1
+
+    def catch_up(self, least: int = CATCH_UP, active: list[bool] | None = None) -> None:
+        """Feed every row owing more than `least` tokens (of those `active`, default all) through one forward
+        of its own (the prompt path for a prompt), keeping its last token pending as the next draft's root; a
+        drafting step then only feeds a few pending tokens per row, not a batch padded to the longest prompt.
+        A fresh row's forward is the prefill it would have had at admission, bit for bit."""
         with torch.inference_mode():
             for row, owed in enumerate(self.pending):
-                if len(owed) > least:
+                if len(owed) > least and (active is None or active[row]):
                     feed = owed[:-1]
                     fresh = self.prefix is not None and int(self.cache.lengths[row]) == 0
                     if fresh:
@@ -198,15 +212,21 @@ class ModelDrafter(Drafter):
         return idx.tolist(), vals.tolist()
 
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
-        self.catch_up()  # rows that owe many tokens (a drafter skipped for some steps) are fed alone first
+        """Rows not `active` are not caught up: they are fed their root alone, at slots their next catch-up
+        overwrites (their cache length does not move), and their commit adds the step's tokens to what they
+        owe, as in a step that drafted nothing. A batching policy that drafts for some rows only thus spares
+        the others their catch-up."""
+        self.catch_up(active=active)  # rows that owe many tokens (a drafter skipped for some steps) are fed alone
         model = self.model
         B = len(self.pending)
         cache = self.view = self.cache.view(B)
         self.drafted = True
+        self.skipped = [not a for a in active]
         dev = model.device
-        P = [len(p) for p in self.pending]
+        feeds = [p[-1:] if skip else p for p, skip in zip(self.pending, self.skipped)]
+        P = [len(p) for p in feeds]
         Pm = max(P)
-        toks = torch.tensor([p + [0] * (Pm - len(p)) for p in self.pending], device=dev)
+        toks = torch.tensor([p + [0] * (Pm - len(p)) for p in feeds], device=dev)
         depths = torch.arange(Pm, device=dev).expand(B, Pm)
         causal = None if B == 1 and Pm == 1 else torch.tril(torch.ones(Pm, Pm, dtype=torch.bool, device=dev)).expand(B, Pm, Pm)
         last = torch.tensor([[p - 1] for p in P], device=dev)
@@ -349,8 +369,12 @@ class ModelDrafter(Drafter):
                 self.pending[r] = self.pending[r] + toks
             return
         self.drafted = False
-        src, dst = [], []
+        src, dst, kept = [], [], []
         for r, path, toks in zip(rows, paths, tokens):
+            if self.skipped[r]:  # nothing was fed for it: it owes the step's tokens too
+                self.pending[r] = self.pending[r] + toks
+                continue
+            kept.append(r)
             start = self.base[r]
             slots = []
             for node in path:
@@ -361,7 +385,7 @@ class ModelDrafter(Drafter):
             dst.append(start)
             self.cache.lengths[r] = start + len(slots)
             self.pending[r] = toks[len(slots):]
-        self.cache.compact(rows, src, dst)
+        self.cache.compact(kept, src, dst)
 
 
 class NgramDrafter(Drafter):

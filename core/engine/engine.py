@@ -10,7 +10,7 @@ import torch
 
 from specpilot.core.engine import cost_store
 from specpilot.core.engine import numerics as numerics_
-from specpilot.core.engine.batching import CostTable, Policy, measure_costs
+from specpilot.core.engine.batching import CostTable, Policy, measure_catch_up, measure_costs
 from specpilot.core.engine.config import ModelLoadError
 from specpilot.core.engine.decode import GenerateResult, Verification, generate
 from specpilot.core.engine.drafters import Drafter, ModelDrafter, TreeSpec
@@ -206,7 +206,9 @@ class Engine:
         """The batching policies' step prices for this recipe's target (weights, linear backend) and drafter
         (none for n-gram lookup), measured once per batch size and cached in this engine. `stored`: also kept
         on disk per deployment and machine (core/engine/cost_store.py), so the next process reads them instead
-        of measuring; `remeasure` measures again regardless. `source` says which happened."""
+        of measuring; `remeasure` measures again regardless. `source` says which happened. A kept table from
+        before the drafter's catch-up was priced (no `catch_up`) gets that price measured alone, and is kept
+        again with it."""
         target, _ = self.models_for(recipe)
         drafter = self.drafter_for(recipe)
         d = recipe.draft
@@ -219,11 +221,19 @@ class Engine:
             self._tables[key] = (cost_store.load(identity) if stored and not remeasure else None) or CostTable()
         table = self._tables[key]
         missing = sorted(set(batch_sizes) - {r for r, _ in table.verify})
+        model = drafter.model if isinstance(drafter, ModelDrafter) else None
+        measured_now = False
         if missing:
-            model = drafter.model if isinstance(drafter, ModelDrafter) else None
             measured = measure_costs(target, model, missing)
             table.verify.update(measured.verify)
             table.draft.update(measured.draft)
+            if measured.catch_up is not None:
+                table.catch_up = measured.catch_up
+            measured_now = True
+        if model is not None and table.catch_up is None:
+            table.catch_up = measure_catch_up(model)
+            measured_now = True
+        if measured_now:
             table.source = "measured now"
             if stored:
                 table.source = f"measured now, kept in {cost_store.save(identity, table)}"

@@ -6,7 +6,12 @@ row in flight, the new tokens per request, as `Event`s), `abort`. A recipe's sch
 an online server drives the same object from its engine thread.
 Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
 next queued prompt, or by the last active row), so every forward runs on exactly the active batch. How deep
-each row drafts is its batching policy's choice (core/engine/batching.py).
+each row drafts is its batching policy's choice (core/engine/batching.py). The policy is told, per row, how many
+tokens the row owes the drafter (a model drafter reads a prompt only when its row is first drafted for, and
+tokens emitted while nothing was drafted for it pile up) and how many it has left to generate, and prices the
+catch-up that drafting for the row would take; a row given depth 0 is not caught up. The scheduler runs the
+catch-up of the rows a step drafts for before the step, times it, and reports it to the policy
+(Policy.observe_catch_up), which learns the catch-up's price from it rather than the step's.
 
 With a token budget (`token_budget`, vLLM's max_num_batched_tokens) a step takes the decode and verify rows of
 the running requests first and then chunks of waiting prompts up to the budget, as vLLM's chunked prefill does:
@@ -35,7 +40,7 @@ import torch
 from specpilot.core.engine.batching import ALPHA_MAX, MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample
 from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
                                           Verification, cache_room, draft_depth, drafter_room, emit, misfit,
-                                          remember, step, truncate_tree)
+                                          remember, step, sync, truncate_tree)
 from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
 from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.prefix_cache import BLOCK, PrefixCache
@@ -268,9 +273,10 @@ class Scheduler:
 
     def _depths(self) -> list[int] | None:
         """The running rows' draft depths for this step, from the batching policy (None: the recipe's tree for
-        every row). Under a token budget the drafts share it with the prompts waiting for their prefill: they
-        may take what is left after every row's own token and the block a waiting prompt advances by, so a
-        full step drafts only where acceptance is highest, and prefill never stalls behind speculation."""
+        every row), told what each row owes the drafter and has left to generate. Under a token budget the
+        drafts share it with the prompts waiting for their prefill: they may take what is left after every
+        row's own token and the block a waiting prompt advances by, so a full step drafts only where
+        acceptance is highest, and prefill never stalls behind speculation."""
         if not self.speculative:
             return None
         if not self.rows:
@@ -280,7 +286,9 @@ class Scheduler:
             cap = self.token_budget - len(self.rows)
             if self.partial is not None or (self.queue and len(self.rows) < self.max_batch):
                 cap -= min(self.token_budget, BLOCK)
-        return self.policy.depths(self.alphas, cap)
+        owed = [self.drafter.owed(b) for b in range(len(self.rows))]
+        left = [self.requests[rid].limit - len(self.requests[rid].out) for rid in self.rows]
+        return self.policy.depths(self.alphas, cap, owed=owed, left=left)
 
     def _prefill(self, depths: list[int] | None) -> tuple[list[Event], int]:
         """Give waiting prompts rows and prefill them: whole without a token budget, else the chunks the budget
@@ -359,6 +367,7 @@ class Scheduler:
         n, ver, spec = len(self.rows), self.ver, self.spec
         view = self.cache.view(n)
         req_ids = torch.tensor([self.requests[r].seed_id for r in self.rows])
+        active = [True] * n if depths is None else [d > 0 for d in depths]  # a row drafted nothing owes on
 
         def draft() -> list[DraftTree]:
             if not self.speculative or (depths is not None and max(depths) == 0):
@@ -370,11 +379,11 @@ class Scheduler:
                 caps = [draft_depth(self.draft_length, spec.depth_limit, self.recent[b]) for b in range(n)]
                 step_spec = spec.shortened(max(caps))
             trees = self.drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
-                                                            req_ids), [True] * n)
+                                                            req_ids), active)
             return trees if caps is None else [truncate_tree(t, d) for t, d in zip(trees, caps)]
 
-        if self.speculative and (depths is None or max(depths) > 0):
-            self.drafter.catch_up()  # admitted prompts and undrafted tokens: owed work, not this step's drafting
+        if self.speculative and any(active):
+            self._catch_up(active)  # admitted prompts and undrafted tokens: owed work, not this step's drafting
         vers = [self.requests[r].ver for r in self.rows]
         rule = self.rule if all(v == ver for v in vers) else mixed_rule(vers)
         taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, rule, req_ids, self.lengths, None)
@@ -400,6 +409,21 @@ class Scheduler:
         stats.prefill_ms, stats.prefilled = prefill_ms, prefilled
         self._record(stats)
         return events
+
+    def _catch_up(self, active: list[bool]) -> None:
+        """Feed the drafter what the `active` rows owe it, and report the owed tokens fed and the time taken to
+        the policy, whose price for a catch-up it corrects (not in the step's time, which `observe` learns
+        from: see Policy.observe)."""
+        rows = range(len(self.rows))
+        owed = sum(self.drafter.owed(b) for b in rows)
+        if owed:
+            sync(self.target.device)
+        t0 = time.perf_counter()
+        self.drafter.catch_up(active=active)
+        fed = owed - sum(self.drafter.owed(b) for b in rows)
+        if fed > 0:
+            sync(self.target.device)
+            self.policy.observe_catch_up(fed, (time.perf_counter() - t0) * 1e3)
 
     def _record(self, stats: StepStats) -> None:
         if self.on_step is not None:
