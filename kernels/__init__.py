@@ -5,10 +5,32 @@
 - gpu/: the Triton twins (gguf_triton, packed12_triton) and the packed12 format;
 - reference/: plain-PyTorch references the kernels are tested against (gguf_ref, bf16x3);
 - bench/: their benchmarks (`python -m specpilot.kernels.gguf_blocks --bench MODEL.gguf` runs bench/gguf_cpu.py).
+
+Installed, this folder is `specpilot.kernels` and nothing else. Run from the checkout's root (whose folders are on
+sys.path then), `import kernels` would find this folder instead of Hugging Face's `kernels` package, which
+transformers >= 5.25 imports; the block below hands that name to Hugging Face's package.
 """
 
 import os
+import sys
 from pathlib import Path
+
+if __name__ == "kernels":
+    # Imported by its folder's name: the checkout's root is on sys.path (python run from it) and something asked
+    # for Hugging Face's `kernels` (transformers >= 5.25 imports it). This folder is `specpilot.kernels`, never a
+    # top-level module: hand the name to the package it stands in front of, found on the rest of sys.path, or
+    # to nobody.
+    import importlib.machinery
+    import importlib.util
+
+    _root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
+    if _spec is None or _spec.loader is None:
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    _module = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _module  # what the import system returns for `import kernels` once this file ends
+    _spec.loader.exec_module(_module)
 
 
 def cache_dir() -> Path:

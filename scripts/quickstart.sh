@@ -6,7 +6,7 @@
 # installed torch is reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# Never the repository root on sys.path: its kernels/ folder would hide Hugging Face's `kernels` from transformers.
+# Never the repository root on sys.path: the package is imported as installed (specpilot.*), as users import it.
 export PYTHONSAFEPATH=1
 mode="${1:-demo}"
 shift || true

@@ -5,9 +5,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-# `python -m pytest` puts the repository root on sys.path, where the checkout's kernels/ folder would hide Hugging
-# Face's `kernels` package from transformers (specpilot.core refuses to import then): keep the root off it, here
-# and in every Python process a test starts.
+# `python -m pytest` puts the repository root on sys.path: keep it off, here and in every Python process a test
+# starts, so that the tests import the package as installed (specpilot.*), as users do.
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != ROOT]
 os.environ["PYTHONSAFEPATH"] = "1"
 sys.path.insert(0, str(Path(__file__).parent))
