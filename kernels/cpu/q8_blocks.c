@@ -373,7 +373,7 @@ static int8_t *amx_layout(const int8_t *q, long m, long k) {
  * weight row, the tiles shared among `threads`. Returns 0, or -1 out of memory. */
 static int run_pass(const xrow_t *x, const int8_t *xt, long m, long k, const uint8_t *w, const uint8_t *rp, long n,
                     long row_bytes, int qtype, float *y, long ldy, int threads) {
-    int wide = q8_isa(-1) >= 1;
+    int wide = xt || q8_isa(-1) >= 1;
     long lanes = wide ? 16 : 8, tiles = (n + lanes - 1) / lanes, block = TRAITS[qtype].block;
     long chunk_bytes = TRAITS[qtype].bytes * (QA / block);
     long per_thread = MIN_WORK_PER_THREAD / m + 1;
@@ -406,11 +406,12 @@ int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, lon
         row_bytes != k / TRAITS[qtype].block * TRAITS[qtype].bytes || (rp && !q8_repack_bytes(qtype, n, k)))
         return -1;
     if (m == 0 || n == 0) return 0;
-    long nblk = (k + QA - 1) / QA, pass = uses_amx(m, qtype) ? m : PASS;
+    int amx = uses_amx(m, qtype); /* decided once: another thread may change the path meanwhile */
+    long nblk = (k + QA - 1) / QA, pass = amx ? m : PASS; /* AMX: every row in one pass */
     int32_t *aux = malloc(sizeof(int32_t) * m * (k / 16));
     xrow_t *x = malloc(sizeof(xrow_t) * pass);
-    int8_t *xt = pass > PASS || uses_amx(m, qtype) ? amx_layout(q, m, k) : NULL;
-    int rc = aux && x && (xt || !uses_amx(m, qtype)) ? 0 : -1;
+    int8_t *xt = amx ? amx_layout(q, m, k) : NULL;
+    int rc = aux && x && (xt || !amx) ? 0 : -1;
     for (long m0 = 0; m0 < m && !rc; m0 += pass) {
         long rows = m - m0 < pass ? m - m0 : pass;
         for (long i = 0; i < rows; i++) {
@@ -1032,9 +1033,9 @@ LOAD_B32(q4_1, Q4_1)
  * integer sum for 16 activation rows and 16 weight rows at once, C[m][r], so row m of C is the vector that the
  * VNNI path's chain builds for activation row m: the integers are the same (exact), and each row then takes the
  * same scales and the same float steps in the same order, so the bits are the same.
- * A chunk's work is a list of units, a unit being four sub-blocks of one group of 16 activation rows (the last
- * group overlaps the one before it when m is not a multiple of 16, so that every tile keeps 16 rows: C's rows
- * before the group's own are skipped). Tiles: 0-3 a unit's sums, 4-5 activations, 6-7 codes. The sums go to
+ * A chunk's work is a list of units (four sub-blocks of one group of 16 activation rows; for Q4_K two groups);
+ * a last group of fewer rows is padded with zero rows (amx_layout), whose sums are never read. Tiles: 0-3 a
+ * unit's sums, 4-5 activations, 6-7 codes. The sums go to
  * memory, and a vector load of what a tile store has just written waits for the store to retire: so the sums of
  * unit u are read after the tile products of unit u + 1 are issued, from the other half of cbuf. */
 static __thread long amx_rows = -1; /* the thread's tile configuration: activation rows, sub-block bytes */
@@ -1109,6 +1110,8 @@ INL amx_group_t amx_group(const job_t *j, long g) {
 #define AMX_PIPELINE(UNITS, ISSUE, FINISH)                                                                     \
     do {                                                                                                       \
         const long units = (UNITS);                                                                            \
+        __asm__ volatile("" : : : "memory"); /* GCC 12's tileloadd does not declare the memory it reads: the    \
+                                                codes just built must be stored before it */                   \
         for (long u = 0; u <= units; u++) {                                                                    \
             if (u < units) ISSUE(u, s->cbuf + 1024 * (u % 2));                                                 \
             if (u > 0) FINISH(u - 1, s->cbuf + 1024 * ((u - 1) % 2));                                          \
@@ -1148,7 +1151,7 @@ static void amx_q4_k(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s,
 #define ISSUE(u, cb)                                                                                           \
     do {                                                                                                       \
         const int two = 2 * (u) + 1 < GROUPS;                                                                  \
-        const int8_t *xa = AMX_X(2 * (u), 0), *xb = AMX_X(2 * (u) + 1, 0);                                     \
+        const int8_t *xa = AMX_X(2 * (u), 0), *xb = two ? AMX_X(2 * (u) + 1, 0) : xa;                          \
         _tile_zero(0);                                                                                         \
         _tile_zero(1);                                                                                         \
         _tile_zero(2);                                                                                         \
@@ -1302,15 +1305,15 @@ static int SFX(run_tiles)(const job_t *j) {
     SFX(chunk_fn) fn = j->qtype == T_Q4_K ? SFX(chunk_q4_k) : j->qtype == T_Q6_K ? SFX(chunk_q6_k)
                      : j->qtype == T_Q8_0 ? SFX(chunk_q8_0) : j->qtype == T_Q5_0 ? SFX(chunk_q5_0)
                      : SFX(chunk_q4_1);
+    scratch_t s;
+    vf ybuf[PASS], *y = ybuf;
+    if (j->m > PASS && !(y = aligned_alloc(64, sizeof(vf) * j->m))) return -1; /* an AMX job takes every row */
 #if Q8_ISA == 512
     if (j->amx) {
         fn = j->qtype == T_Q4_K ? amx_q4_k : j->qtype == T_Q6_K ? amx_q6_k : amx_b32;
         amx_config(j->m < PASS ? j->m : PASS, j->qtype == T_Q6_K ? 16 : j->qtype == T_Q4_K ? 64 : 32);
     }
 #endif
-    scratch_t s;
-    vf ybuf[PASS], *y = ybuf;
-    if (j->m > PASS && !(y = aligned_alloc(64, sizeof(vf) * j->m))) return -1; /* an AMX job takes every row */
     pf_t pf = {.t = -1};
     SFX(tile_t) tl;
     for (long t = j->tile_lo; t < j->tile_hi; t++) {

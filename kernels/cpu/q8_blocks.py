@@ -1,4 +1,5 @@
-"""The q8 product on GGUF blocks: build, load and call q8_blocks.c (AVX-512 VNNI, or AVX2 elsewhere).
+"""The q8 product on GGUF blocks: build, load and call q8_blocks.c (AVX-512 VNNI, or AVX2 elsewhere; AMX int8
+tiles for products of 16 rows or more on a Xeon that has them).
 
 Why: q8 numerics (kernels/reference/q8_ref.py, llama.cpp's arithmetic) quantise activations to 8 bits per 256
 values and multiply them by the blocks' integer codes, so a product is exact integer work plus one float
@@ -82,7 +83,7 @@ def block_traits(qtype: int) -> tuple[str, int, int] | None:
 
 
 def isa(want: str | None = None) -> str:
-    """The product's instruction set: "amx" (AMX int8 tiles for passes of 2 rows or more, AVX-512 VNNI for one,
+    """The product's instruction set: "amx" (AMX int8 tiles for products of 16 rows or more, AVX-512 VNNI below,
     on a CPU with both), "avx512vnni" or "avx2", the best the CPU has unless `want` selects one below it for the
     process. All give the same bits."""
     code = {None: -1, "avx2": 0, "avx512vnni": 1, "amx": 2}[want]
