@@ -116,6 +116,18 @@ def test_each_recipe_is_priced_with_its_own_cost_table(setup):
         assert engine.serve(prompts, limits, recipe, 3).tokens == reference
 
 
+def test_a_depth_must_promise_min_gain_over_plain_decoding():
+    """A draft token costing 40 ms beside a 100 ms step promises 7% more tokens per ms at acceptance 0.5: within
+    what the measured prices and a running acceptance estimate can be off by, so the policy decodes plainly; at
+    20 ms it promises 25% and drafts."""
+    from specpilot.core.engine.batching import MIN_GAIN, best_uniform_depth
+
+    for draft_ms, promise, depth in ((40.0, 1.5 * 100 / 140, 0), (20.0, 1.5 * 100 / 120, 1)):
+        table = CostTable({(1, 1): 100.0, (1, 2): 100.0}, {1: draft_ms})
+        assert (promise >= 1 + MIN_GAIN) == (depth > 0) and promise > 1
+        assert best_uniform_depth(table, 1, 0.5, max_depth=1) == depth
+
+
 def test_policies_price_the_step_overhead_they_observe():
     """A per-step overhead every depth pays makes deeper drafts pay (depth 0 wins on the forward alone, depth
     2 once 20 ms per step is priced in); an overhead that grows with depth is learned per depth."""
@@ -443,7 +455,7 @@ def test_allocate_and_cap_spare_the_row_whose_catch_up_would_not_pay():
 def test_probes_spare_the_rows_whose_catch_up_no_acceptance_would_repay():
     from specpilot.core.engine.batching import PROBE_EVERY
 
-    steep = {(2, t): 6.0 + 4.0 * t for t in range(1, MAX_DEPTH + 2)}  # drafting pays only at high acceptance
+    steep = {(2, t): 6.0 + 2.0 * t for t in range(1, MAX_DEPTH + 2)}  # drafting pays only at high acceptance
     table = CostTable(steep, {2: 0.1}, catch_up=0.5)
     policy = Policy("budget", None, table)
     seen = [policy.depths([0.1, 0.1], owed=[500, 3], left=[2, 100]) for _ in range(PROBE_EVERY)]

@@ -51,6 +51,10 @@ PRIOR_ACCEPTANCE = 0.6
 PROBE_EVERY = 16  # steps a policy may leave every row undrafted before one step drafts a token per row
 PROBE_MAX = 128  # the longest wait between probes that keep finding drafting not worth it
 ALPHA_MAX = 0.95  # the highest per-token acceptance a row's estimate can reach (samples are clipped to it)
+MIN_GAIN = 0.10  # the least gain in tokens per ms over plain decoding a depth must promise to be drafted: the
+# prices are measured and each row's acceptance is a running estimate, so a policy that drafts wherever they
+# promise a few percent drafts mostly when an estimate is high by chance, and loses (the Xeon of docs/RESULTS.md:
+# 0.98x plain decoding at batch 1, drafting on estimates that promised 3-15%)
 
 
 CATCH_UP_TOKENS = 64  # the run of tokens measure_costs feeds one drafter row to price its catch-up per token
@@ -224,7 +228,8 @@ def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int
     `owed_ms` is the drafting rows' catch-up per token each has left, summed (Policy.owed_ms): a step of depth
     d > 0 pays expected_accepted(alpha, d) times it, the catch-up spread over those rows' remaining tokens.
     `drafting` rows of the `rows` draft (default all); the others decode plainly, a token per step, in the
-    same forward."""
+    same forward. A depth that promises less than MIN_GAIN over plain decoding gives 0.
+    """
     m = rows if drafting is None else drafting
     if m <= 0:
         return 0
@@ -235,7 +240,8 @@ def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int
         if m < rows:
             gained = (m * gained + rows - m) / rows
         return gained / cost
-    return max(range(max_depth + 1), key=rate)
+    best = max(range(max_depth + 1), key=rate)
+    return best if best == 0 or rate(best) >= (1 + MIN_GAIN) * rate(0) else 0
 
 
 def drafting_saves(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
