@@ -342,13 +342,21 @@ class Policy:
         not pay at this batch size even if every row's acceptance were ALPHA_MAX."""
         if self.table is None:
             return [1] * rows
-        best = [ALPHA_MAX] * rows
-        worth = self.worth_drafting(best)
-        owed = sum(o for o, w in zip(self.owed_ms(rows), worth) if w)
-        if best_uniform_depth(self.table, rows, ALPHA_MAX, overhead_ms=self.overhead_ms.get(rows), owed_ms=owed,
-                              drafting=sum(worth)) == 0:
-            return None
-        return [int(w) for w in worth]
+        worth, depth = self.uniform_depth([ALPHA_MAX] * rows)
+        return [int(w) for w in worth] if depth else None
+
+    def uniform_depth(self, alphas: list[float]) -> tuple[list[bool], int]:
+        """The rows worth drafting for (worth_drafting) and the one depth best for them (best_uniform_depth at
+        their mean acceptance and summed catch-up); depth 0 when no row is worth it."""
+        n = len(alphas)
+        worth = self.worth_drafting(alphas)
+        m = sum(worth)
+        if m == 0:
+            return worth, 0
+        alpha = sum(a for a, w in zip(alphas, worth) if w) / m
+        owed = sum(o for o, w in zip(self.owed_ms(n), worth) if w)
+        return worth, best_uniform_depth(self.table, n, alpha, overhead_ms=self.overhead_ms.get(n), owed_ms=owed,
+                                         drafting=m)
 
     def catch_up_price(self) -> float:
         """ms per token a row owes the drafter: what the scheduler's catch-ups took (observe_catch_up), or
@@ -418,13 +426,10 @@ def _batching(name: str) -> Callable[[Policy, list[float]], list[int] | None]:
         if name == "fixed" or p.table is None:
             return None
         n = len(alphas)
-        worth = p.worth_drafting(alphas)
+        worth, uniform = p.uniform_depth(alphas)
         m = sum(worth)
         if m == 0:
             return [0] * n
-        alpha = sum(a for a, w in zip(alphas, worth) if w) / m
-        owed = sum(o for o, w in zip(p.owed_ms(n), worth) if w)
-        uniform = best_uniform_depth(p.table, n, alpha, overhead_ms=p.overhead_ms.get(n), owed_ms=owed, drafting=m)
         if name == "budget":
             return [uniform if w else 0 for w in worth]
         if name == "allocate":
