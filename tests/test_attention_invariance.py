@@ -45,11 +45,11 @@ def torch_threads(n: int):
 @contextmanager
 def kernel_isa(name: str):
     before = attention.isa()
-    attention.isa(name)
+    attention.use_isa(name)
     try:
         yield
     finally:
-        attention.isa(before)
+        attention.use_isa(before)
 
 
 def ulps(got: torch.Tensor, exact: torch.Tensor) -> torch.Tensor:

@@ -20,11 +20,12 @@ ISAS = ["avx2", "vnni"]
 
 @pytest.fixture(params=ISAS)
 def isa(request):
-    if q8_draft.isa(request.param) != request.param:
-        q8_draft.isa()
+    before = q8_draft.isa()
+    if q8_draft.use_isa(request.param) != request.param:
+        q8_draft.use_isa(before)
         pytest.skip(f"this CPU has no {request.param}")
     yield request.param
-    q8_draft.isa()
+    q8_draft.use_isa(before)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

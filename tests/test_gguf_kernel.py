@@ -51,11 +51,11 @@ def isa(request: pytest.FixtureRequest):
     """Each of the kernel's two paths in turn (AVX-512 only where the CPU has it), restoring the default."""
     gb = blocks_kernel()
     before = gb.isa()
-    if gb.isa(request.param) != request.param:
-        gb.isa(before)
+    if gb.use_isa(request.param) != request.param:
+        gb.use_isa(before)
         pytest.skip(f"this CPU has no {request.param}")
     yield request.param
-    gb.isa(before)
+    gb.use_isa(before)
 
 
 @pytest.mark.parametrize("q", ["Q4_1", "Q5_0", "Q8_0"])

@@ -33,11 +33,11 @@ def isa(request: pytest.FixtureRequest):
     """Each of the kernel's two paths in turn (AVX-512 VNNI only where the CPU has it), restoring the default."""
     qb = kernel()
     before = qb.isa()
-    if qb.isa(request.param) != request.param:
-        qb.isa(before)
+    if qb.use_isa(request.param) != request.param:
+        qb.use_isa(before)
         pytest.skip(f"this CPU has no {request.param}")
     yield request.param
-    qb.isa(before)
+    qb.use_isa(before)
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -128,12 +128,12 @@ def test_threads_and_instruction_sets_do_not_change_a_bit(q: str) -> None:
     before = qb.isa()
     try:
         for path in ISAS:
-            if qb.isa(path) != path:
+            if qb.use_isa(path) != path:
                 continue
             for t in (1, 2):
                 assert torch.equal(bits(m(x, threads=t)), ref), f"{q} {path} {t} threads"
     finally:
-        qb.isa(before)
+        qb.use_isa(before)
 
 
 def test_quantise_once_multiply_by_several_matrices() -> None:

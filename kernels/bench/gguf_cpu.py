@@ -142,7 +142,7 @@ def bench_q8(mats: list[tuple[str, q8_blocks.Q8Matrix]], rows: list[int], repeat
 def main_q8(args: argparse.Namespace, threads: int) -> int:
     """--numerics q8: the q8 product over every linear of the file, against a read of the same bytes."""
     try:
-        if args.isa and q8_blocks.isa(args.isa) != args.isa:
+        if args.isa and q8_blocks.use_isa(args.isa) != args.isa:
             print(f"error: this CPU has no {args.isa}", file=sys.stderr)
             return 2
         mats = q8_blocks.linear_tensors(args.bench, threads)

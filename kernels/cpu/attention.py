@@ -34,7 +34,7 @@ FLAGS = ("-O3", "-ffp-contract=off", "-shared", "-fPIC", "-fopenmp")
 ISA_FLAGS = {"avx512": ("-mavx512f", "-mavx2"), "avx2": ("-mavx2",)}
 LANES = attention_ref.LANES
 
-__all__ = ["attend", "available", "exp2", "isa", "library", "silu_mul", "visible_from_mask"]
+__all__ = ["attend", "available", "exp2", "isa", "library", "silu_mul", "use_isa", "visible_from_mask"]
 
 
 def _cpu_flags() -> set[str]:
@@ -80,17 +80,27 @@ def available() -> bool:
     return loads(library)
 
 
-_isa: str | None = None
+_isa: str | None = None  # the build use_isa chose; None: the default build's
 
 
-def isa(want: str | None = None) -> str:
-    """The build `attend` uses, "avx512" or "avx2"; `want` selects one for the process (same bits either way)."""
+@functools.cache
+def _default_isa() -> str:
+    """The instruction set of the default build (library()), asked of it once."""
+    return "avx512" if library().attn_isa() else "avx2"
+
+
+def isa() -> str:
+    """The build `attend` uses, "avx512" or "avx2" (same bits either way). A pure query: it changes nothing."""
+    return _isa or _default_isa()
+
+
+def use_isa(name: str) -> str:
+    """Select the build `attend` uses for the process ("avx512" or "avx2"; KernelUnavailable where this CPU cannot
+    run it) and return the one now in use. Why: tests and the kernel bench force a path to check or time each;
+    production never calls it (it runs the best build this CPU has)."""
     global _isa
-    if want is not None:
-        library(want)  # refuses one this CPU cannot run
-        _isa = want
-    if _isa is None:
-        _isa = "avx512" if library().attn_isa() else "avx2"
+    library(name)  # refuses one this CPU cannot run
+    _isa = name
     return _isa
 
 

@@ -64,15 +64,20 @@ def block_traits(qtype: int) -> tuple[str, int, int] | None:
     return name.value.decode(), block.value, size.value
 
 
-def isa(want: str | None = None) -> str:
-    """The product's instruction set, "avx512" (where the CPU has AVX-512F) or "avx2"; `want` selects one for
-    the process (the library holds the choice). Each is exact; their float32 sums are ordered differently (16
-    lanes against 8)."""
-    code = {None: -1, "avx2": 0, "avx512": 1}[want]
-    name = "avx512" if library().gguf_isa(code) else "avx2"
-    if want is not None:
-        _chunk_rows.cache_clear()
-    return name
+def isa() -> str:
+    """The product's instruction set in use, "avx512" (by default where the CPU has AVX-512F) or "avx2". Each is
+    exact; their float32 sums are ordered differently (16 lanes against 8). A pure query: it changes nothing."""
+    return "avx512" if library().gguf_isa(-1) else "avx2"
+
+
+def use_isa(name: str) -> str:
+    """Select the product's instruction set for the process ("avx2" or "avx512"; the library holds the choice)
+    and return the one now in use, which is "avx2" where "avx512" was asked of a CPU without it. Why: tests and
+    the kernel bench force a path to check or time each; production never calls it (it runs the best one)."""
+    code = {"avx2": 0, "avx512": 1}[name]
+    got = "avx512" if library().gguf_isa(code) else "avx2"
+    _chunk_rows.cache_clear()
+    return got
 
 
 @functools.cache

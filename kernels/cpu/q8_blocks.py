@@ -39,7 +39,7 @@ REPACKED = ("Q4_K", "Q6_K", "Q5_0", "Q8_0")  # the formats with a repacked layou
 REPACK_LAYOUT = 1  # bump when q8_repack's layout changes: cached copies of another layout are not read
 
 __all__ = ["Q8Matrix", "UnsupportedBlockType", "available", "block_traits", "isa", "library", "linear_tensors",
-           "quantize", "read", "repacked"]
+           "quantize", "read", "repacked", "use_isa"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -82,11 +82,18 @@ def block_traits(qtype: int) -> tuple[str, int, int] | None:
     return name.value.decode(), block.value, size.value
 
 
-def isa(want: str | None = None) -> str:
-    """The product's instruction set: "amx" (AMX int8 tiles for products of 16 rows or more, AVX-512 VNNI below,
-    on a CPU with both), "avx512vnni" or "avx2", the best the CPU has unless `want` selects one below it for the
-    process. All give the same bits."""
-    code = {None: -1, "avx2": 0, "avx512vnni": 1, "amx": 2}[want]
+def isa() -> str:
+    """The product's instruction set in use: "amx" (AMX int8 tiles for products of 16 rows or more, AVX-512 VNNI
+    below, on a CPU with both), "avx512vnni" or "avx2", the best the CPU has unless use_isa chose one below it.
+    All give the same bits. A pure query: it changes nothing."""
+    return ISA_NAMES[library().q8_isa(-1)]
+
+
+def use_isa(name: str) -> str:
+    """Select the product's instruction set for the process (one of ISA_NAMES; the library holds the choice) and
+    return the one now in use: the best the CPU has where it lacks `name`. Why: tests and the kernel bench force
+    a path to check or time each; production never calls it (it runs the best one)."""
+    code = {"avx2": 0, "avx512vnni": 1, "amx": 2}[name]
     return ISA_NAMES[library().q8_isa(code)]
 
 

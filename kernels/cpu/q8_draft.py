@@ -29,7 +29,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-shared", "-fPIC", "-fopenmp")
 QK = 32
 MAX_ROWS = 16  # more rows than this (a prompt) go to the exact product the matrix falls back to
 
-__all__ = ["Q8Matrix", "available", "isa", "quantize", "reference"]
+__all__ = ["Q8Matrix", "available", "isa", "quantize", "reference", "use_isa"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -57,9 +57,29 @@ def available() -> bool:
     return loads(library)
 
 
-def isa(want: str | None = None) -> str:
-    """The integer dot product in use, "vnni" (AVX-512 VNNI) or "avx2"; `want` selects one for the process."""
-    return "vnni" if library().q8_isa({None: -1, "avx2": 0, "vnni": 1}[want]) else "avx2"
+_isa: str | None = None  # what use_isa left in use; None: the default, the best the CPU has
+
+
+@functools.cache
+def _best_isa() -> str:
+    """The default: "vnni" where the CPU has AVX-512 VNNI and BW, else "avx2". Only asked while nothing was
+    chosen: the library's q8_isa(-1) then sets what its first product would set anyway."""
+    return "vnni" if library().q8_isa(-1) else "avx2"
+
+
+def isa() -> str:
+    """The integer dot product in use, "vnni" (AVX-512 VNNI) or "avx2". A pure query: it changes nothing (the
+    library's q8_isa(-1) would reset a choice to the default, so the choice is kept here)."""
+    return _isa or _best_isa()
+
+
+def use_isa(name: str) -> str:
+    """Select the integer dot product for the process ("avx2" or "vnni") and return the one now in use, which is
+    "avx2" where "vnni" was asked of a CPU without it. Why: tests and the kernel bench force a path to check or
+    time each; production never calls it (it runs the best one)."""
+    global _isa
+    _isa = "vnni" if library().q8_isa({"avx2": 0, "vnni": 1}[name]) else "avx2"
+    return _isa
 
 
 def _padded(v: torch.Tensor) -> torch.Tensor:
