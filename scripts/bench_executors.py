@@ -19,7 +19,6 @@ import tempfile
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = {
     "local, 1 device": [],
     "local, 2 devices (cpu:0,cpu:1)": ["--devices", "cpu:0,cpu:1"],
@@ -59,7 +58,7 @@ def main() -> int:
             load = os.getloadavg()[0]
             t0 = time.monotonic()
             proc = subprocess.run(argv, cwd=work, capture_output=True, text=True,
-                                  env={**os.environ, "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"})
+                                  env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
             wall = time.monotonic() - t0
             if proc.returncode != 0:
                 print(f"{name}: failed\n{proc.stderr[-2000:]}", file=sys.stderr)
