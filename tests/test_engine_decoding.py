@@ -45,23 +45,32 @@ def test_speculative_equals_autoregressive(engine, draft, policy, batch):
 
 
 def test_model_drafter_is_accepted_and_cache_matches_fresh_prefill(engine):
+    """After every step, each running row's cache holds exactly what a fresh prefill of its committed tokens
+    (the prompt, then every emitted token but the pending root) writes."""
     ps = prompts(3)
     recipe = Recipe.from_dict({"tree": POLICIES["dynamic"]})
     result = engine.generate(ps, 40, recipe)
     assert result.summary()["mean_accepted_length"] > 1.5
-    cache = result.cache
-    target = engine.target
-    for row, committed in enumerate(result.committed):
-        assert committed[: len(ps[row]) - 1] == ps[row][:-1]
-        assert (committed + [None])[len(ps[row]) - 1:][: len(result.tokens[row])] == ([ps[row][-1]] + result.tokens[row])[: len(result.tokens[row])]
-        n = len(committed)
-        assert int(cache.lengths[row]) == n
-        fresh = target.new_cache(1, n + 2)
-        with torch.inference_mode():
-            target.step(torch.tensor([committed]), fresh, fresh.lengths, torch.arange(n)[None],
-                        torch.tril(torch.ones(n, n, dtype=torch.bool))[None])
-        torch.testing.assert_close(cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+    sched = engine.scheduler(recipe, 3, max(len(p) for p in ps) + 40)
+    ids = [sched.add(p, 40, seed_id=i) for i, p in enumerate(ps)]
+    out: dict[int, list[int]] = {rid: [] for rid in ids}
+    target, checked = engine.target, 0
+    while not sched.idle():
+        for ev in sched.step():
+            out[ev.id].extend(ev.tokens)
+        for row, rid in enumerate(sched.rows):
+            committed = ps[ids.index(rid)] + out[rid][:-1]
+            n = len(committed)
+            assert int(sched.cache.lengths[row]) == n
+            fresh = target.new_cache(1, n + 2)
+            with torch.inference_mode():
+                target.step(torch.tensor([committed]), fresh, fresh.lengths, torch.arange(n)[None],
+                            torch.tril(torch.ones(n, n, dtype=torch.bool))[None])
+            torch.testing.assert_close(sched.cache.k[:, row, :, :n], fresh.k[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(sched.cache.v[:, row, :, :n], fresh.v[:, 0, :, :n], atol=1e-5, rtol=1e-5)
+            checked += 1
+    assert [out[rid] for rid in ids] == result.tokens
+    assert checked >= 3
 
 
 def test_self_drafting_accepts_whole_chain(tiny_pair):

@@ -259,7 +259,8 @@ def test_scheduler_refuses_what_its_context_cannot_hold(setup):
 def test_greedy_and_seeded_requests_share_steps_and_each_equals_its_own_ar(setup):
     """Rows verifying differently in one step (greedy, and seeded at two temperatures and seeds): each
     request's tokens are exactly its own single-request AR output under its own rule."""
-    from specpilot.core.engine.decode import Verification, generate
+    from specpilot.core.engine.decode import Verification
+    from specpilot.core.engine.scheduler import generate
     from specpilot.core.recipe import builtin
 
     engine, prompts, limits, reference, _ = setup
@@ -318,11 +319,11 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(s
     sched = engine.scheduler(builtin("stock"), max_batch=2, max_len=64)
     a, b = sched.add(prompts[3], limits[3], seed_id=3), sched.add(prompts[5], limits[5], seed_id=5)
     sched.step()
-    real = serve_mod.step
-    monkeypatch.setattr(serve_mod, "step", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
+    real = serve_mod.verify
+    monkeypatch.setattr(serve_mod, "verify", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("boom")))
     events = sched.step()
     assert {(ev.id, ev.finish) for ev in events} == {(a, "error"), (b, "error")} and sched.idle()
-    monkeypatch.setattr(serve_mod, "step", real)
+    monkeypatch.setattr(serve_mod, "verify", real)
     c = sched.add(prompts[6], limits[6], seed_id=6)
     out = []
     while not sched.idle():

@@ -100,7 +100,8 @@ def test_seeded_sampling_is_reproducible_and_differs_by_seed(demo):
 def test_seeded_request_equals_the_targets_own_seeded_sampling(demo):
     """A sampled request beside greedy ones emits exactly the target's seeded AR sample (lossless)."""
     from specpilot.core.engine import Engine
-    from specpilot.core.engine.decode import Verification, generate
+    from specpilot.core.engine.decode import Verification
+    from specpilot.core.engine.scheduler import generate
 
     tok = AutoTokenizer.from_pretrained(str(DEMO_TARGET))
     c = demo.client()

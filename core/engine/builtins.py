@@ -59,7 +59,8 @@ core.engine.decode.AcceptanceRule(choices, accept, batched=False)
 choices(logits [B, T, V], trees, ver, req, lengths) -> per-row choices; accept(tree, choice_row, generator)
 -> (accepted node path, bonus token). The output must stay token-identical to autoregressive decoding
 with the same rule (token forcing checks it).''', '''
-from specpilot.core.engine.decode import AcceptanceRule, accept_path
+from specpilot.core.engine.decode import AcceptanceRule
+from specpilot.core.engine.tree import accept_path
 from specpilot.core.mechanisms import register
 
 def choices(logits, trees, ver, req, lengths):
@@ -197,11 +198,12 @@ register("draft_length", "fixed", lambda depth, recent: depth, "always the tree'
 
 def _rule(name: str) -> Any:
     from specpilot.core.engine import decode
+    from specpilot.core.engine.tree import accept_path, accept_rejection
 
     rules = {
-        "greedy": decode.AcceptanceRule(decode.greedy_choices, decode.accept_path, batched=True),
-        "seeded": decode.AcceptanceRule(decode.seeded_choices, decode.accept_path, batched=True),
-        "rejection": decode.AcceptanceRule(decode.rejection_choices, decode._accept_rejection),
+        "greedy": decode.AcceptanceRule(decode.greedy_choices, accept_path, batched=True),
+        "seeded": decode.AcceptanceRule(decode.seeded_choices, accept_path, batched=True),
+        "rejection": decode.AcceptanceRule(decode.rejection_choices, accept_rejection),
     }
     return rules[name]
 

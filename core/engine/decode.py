@@ -1,26 +1,25 @@
-"""Autoregressive and speculative generation: draft a tree, verify it in one target forward, commit.
+"""What one speculative step is made of: verification rules, the cache commit, and the rules that end a request.
 
-Autoregressive decoding is the same loop with a root-only tree, so both paths share every line that
-touches the cache. Verification rules:
+The step itself (draft -> verify -> accept -> commit) is written once, in core/engine/scheduler.py, and every
+caller runs it there: a server's scheduler, and `generate` for a fixed batch. Autoregressive decoding is the
+same step with a root-only tree, so both share every line that touches the cache. Verification rules:
   greedy     accept the longest path whose tokens equal the target's argmax, plus the bonus token;
   seeded     the same with the target's choice = argmax(logits/T + gumbel(seed, request, position));
   rejection  standard speculative sampling on a chain (accept with min(1, p/q), else resample p - q).
-Each rule is an `AcceptanceRule` registered under kind "acceptance" (core/engine/builtins.py); generation
-looks the recipe's rule up in the registry, so a plugin rule runs through exactly this loop. A draft-length
-policy (kind "draft_length") may shorten each step's draft from the row's recent acceptance.
+Each rule is an `AcceptanceRule` registered under kind "acceptance" (core/engine/builtins.py); the step looks
+the recipe's rule up in the registry, so a plugin rule runs through exactly that step. A draft-length policy
+(kind "draft_length") may shorten each step's draft from the row's recent acceptance.
 Tie policy: the target's choice is torch.argmax over its logits in the run's dtype (the first index wins
 an exact tie); near-ties that flip between kernels of different shapes are counted apart by forcing.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 
-from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
 from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.sampling import filtered, seeded_scores
 from specpilot.core.engine.tree import DraftTree, batch_tensors
@@ -56,6 +55,7 @@ class StepStats:
     accepted: list[int]
     prefill_ms: float = 0.0  # prompt chunks prefilled in the same scheduler step (not in host_ms)
     prefilled: int = 0  # their tokens
+    catch_up_ms: float = 0.0  # the drafter fed what rows owed it before the step drafted (not in host_ms)
 
 
 @dataclass
@@ -63,8 +63,6 @@ class GenerateResult:
     tokens: list[list[int]]
     steps: list[StepStats]
     seconds: float
-    committed: list[list[int]] = field(default_factory=list)
-    cache: object | None = field(default=None, repr=False)
 
     @property
     def new_tokens(self) -> int:
@@ -73,7 +71,7 @@ class GenerateResult:
     def summary(self) -> dict:
         accepted = [a for s in self.steps for a in s.accepted]
         phases = {k: sum(getattr(s, k) for s in self.steps) for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms",
-                                                                            "prefill_ms")}
+                                                                            "prefill_ms", "catch_up_ms")}
         return {
             "new_tokens": self.new_tokens,
             "seconds": self.seconds,
@@ -127,33 +125,6 @@ def sync(device: torch.device | str) -> None:
         torch.cuda.synchronize(device)
 
 
-def accept_path(tree: DraftTree, choice: list[int], gen: torch.Generator | None = None) -> tuple[list[int], int]:
-    """Greedy walk: follow children whose token equals the target's choice; return path and bonus."""
-    children = {(tree.parents[i], tree.tokens[i]): i for i in range(1, len(tree))}
-    path, node = [], 0
-    while (node, choice[node]) in children:
-        node = children[(node, choice[node])]
-        path.append(node)
-    return path, choice[node]
-
-
-def _accept_rejection(tree: DraftTree, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
-    """Speculative sampling on a chain: p [T, V] target probabilities at each node."""
-    path, node = [], 0
-    for child in range(1, len(tree)):
-        q = tree.q[child]
-        x = tree.tokens[child]
-        if torch.rand((), generator=gen).item() * q[x].item() < p[node, x].item():
-            path.append(child)
-            node = child
-            continue
-        residual = (p[node] - q).clamp_min(0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[node]
-        return path, int(torch.multinomial(dist, 1, generator=gen).item())
-    return path, int(torch.multinomial(p[node], 1, generator=gen).item())
-
-
 def cache_room(nodes: int) -> int:
     """Target cache positions needed past the longest request when steps verify trees of up to `nodes`
     nodes: a step's tree is written after the committed prefix before it is compacted, plus root and bonus."""
@@ -163,135 +134,6 @@ def cache_room(nodes: int) -> int:
 def drafter_room(nodes: int) -> int:
     """Drafter cache positions needed past the target's: one drafted tree ahead, plus root and bonus."""
     return nodes + 2
-
-
-@dataclass
-class Step:
-    """One draft -> verify -> accept -> commit step over the rows in `rows` (indices into `trees`), with
-    the perf_counter at its start and end and its phase times."""
-
-    trees: list[DraftTree]
-    rows: list[int]
-    paths: list[list[int]]
-    emitted: list[list[int]]  # per row in `rows`: the accepted draft tokens, then the bonus token
-    start: float
-    end: float
-    draft_ms: float
-    verify_ms: float
-    commit_ms: float
-
-    @property
-    def accepted(self) -> list[int]:
-        """Tokens each row gained (accepted draft tokens + the bonus)."""
-        return [len(e) for e in self.emitted]
-
-    @property
-    def nodes(self) -> int:
-        """Tree nodes verified for the rows that took part."""
-        return sum(len(self.trees[b]) for b in self.rows)
-
-    def stats(self, host_ms: float) -> StepStats:
-        return StepStats(self.draft_ms, self.verify_ms, self.commit_ms, host_ms, self.nodes, self.accepted)
-
-
-def step(target: Transformer, cache, draft: Callable[[], list[DraftTree]], drafter: Drafter | None,
-         rows: list[int], ver: Verification, rule: AcceptanceRule, req: torch.Tensor, lengths: list[int],
-         gen: torch.Generator | None) -> Step:
-    """The step both generation paths run (one request or a continuous batch): `draft()` gives every cache
-    row's tree, one target forward verifies them all, the rule accepts a path for each row in `rows`, and
-    the cache (and drafter, when there is one) keeps only those paths; `lengths` advances to match."""
-    dev = target.device
-    t0 = time.perf_counter()
-    trees = draft()
-    sync(dev)
-    t1 = time.perf_counter()
-    choice = verify(target, cache, trees, ver, req, lengths, rule)
-    sync(dev)
-    t2 = time.perf_counter()
-    paths, emitted = [], []
-    for b in rows:
-        path, bonus = rule.accept(trees[b], choice[b], gen)
-        paths.append(path)
-        emitted.append([trees[b].tokens[i] for i in path] + [bonus])
-    commit_paths(cache, rows, paths, lengths)
-    if drafter is not None:
-        drafter.commit(rows, paths, emitted)
-    sync(dev)
-    t3 = time.perf_counter()
-    return Step(trees, rows, paths, emitted, t0, t3, (t1 - t0) * 1e3, (t2 - t1) * 1e3, (t3 - t2) * 1e3)
-
-
-def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[int]],
-             max_new_tokens: int | list[int], spec: TreeSpec | None = None,
-             verification: Verification | None = None, request_ids: list[int] | None = None,
-             eos_token_ids: list[int] | None = None, draft_length: DraftLength | None = None) -> GenerateResult:
-    """Generate for a batch of prompts; `drafter=None` (or spec=None) is autoregressive decoding.
-    `draft_length(depth, recent)` caps each row's draft depth per step from its recent accepted counts."""
-    ver = verification or Verification()
-    rule: AcceptanceRule = lookup("acceptance", ver.sampling)
-    B = len(prompts)
-    if B == 0:
-        return GenerateResult([], [], 0.0)
-    limits = [max_new_tokens] * B if isinstance(max_new_tokens, int) else list(max_new_tokens)
-    ctx = target.cfg.max_position_embeddings
-    for i, (p, n) in enumerate(zip(prompts, limits)):
-        if why := misfit(len(p), n, ctx):
-            raise GenerationError(f"request {i}: {why}")
-    speculative = drafter is not None and spec is not None
-    extra = cache_room(spec.max_nodes) if speculative else 2
-    max_len = max(len(p) + n for p, n in zip(prompts, limits)) + extra
-    dev = target.device
-    eos = set(target.cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-    req = torch.tensor(request_ids if request_ids is not None else list(range(B)))
-    gen = torch.Generator().manual_seed(ver.seed)
-    mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, req, gen)
-
-    with torch.inference_mode():
-        start = time.perf_counter()
-        cache = target.new_cache(B, max_len)
-        pre = [p[:-1] for p in prompts]
-        Pm = max(len(p) for p in pre)
-        if Pm > 0:
-            toks = torch.tensor([p + [0] * (Pm - len(p)) for p in pre], device=dev)
-            causal = torch.tril(torch.ones(Pm, Pm, dtype=torch.bool, device=dev)).expand(B, Pm, Pm)
-            target.step(toks, cache, cache.lengths, torch.arange(Pm, device=dev).expand(B, Pm), causal,
-                        logits_at=torch.zeros(B, 0, dtype=torch.long, device=dev))
-            cache.lengths.copy_(torch.tensor([len(p) for p in pre], device=dev))
-        if speculative:
-            drafter.reset(prompts, max_len + drafter_room(spec.max_nodes))
-        lengths = [len(p) for p in pre]
-        roots = [p[-1] for p in prompts]
-        out: list[list[int]] = [[] for _ in range(B)]
-        committed = [list(p[:-1]) for p in prompts]
-        active = [n > 0 for n in limits]
-        steps: list[StepStats] = []
-        recent: list[list[int]] = [[] for _ in range(B)]
-
-        def draft() -> list[DraftTree]:
-            if speculative and draft_length is not None:
-                caps = [draft_depth(draft_length, spec.depth_limit, recent[b]) for b in range(B)]
-                step_spec = spec.shortened(max(c for c, a in zip(caps, active) if a))
-                return [truncate_tree(t, c) for t, c in zip(drafter.draft(step_spec, mode, active), caps)]
-            if speculative:
-                return drafter.draft(spec, mode, active)
-            return [DraftTree.root(r) for r in roots]
-
-        t_prev = time.perf_counter()
-        while any(active):
-            taken = step(target, cache, draft, drafter if speculative else None, [b for b in range(B) if active[b]],
-                         ver, rule, req, lengths, gen)
-            for b, toks in zip(taken.rows, taken.emitted):
-                recent[b] = remember(recent[b], len(toks))
-                committed[b].append(roots[b])
-                committed[b].extend(toks[:-1])
-                roots[b] = toks[-1]
-                _, finish = emit(toks, out[b], limits[b], eos)
-                active[b] = finish is None
-            t4 = time.perf_counter()
-            steps.append(taken.stats((t4 - taken.end + taken.start - t_prev) * 1e3))
-            t_prev = t4
-        seconds = time.perf_counter() - start
-    return GenerateResult(out, steps, seconds, committed, cache)
 
 
 RECENT_STEPS = 16  # how many of a row's last steps a draft-length policy sees
@@ -320,16 +162,6 @@ def emit(tokens: list[int], out: list[int], limit: int, eos: set[int]) -> tuple[
 def draft_depth(draft_length: DraftLength, depth: int, recent: list[int]) -> int:
     """The policy's depth for one row, clamped to [1, depth]: a policy shortens drafts, never lengthens them."""
     return max(1, min(depth, int(draft_length(depth, list(recent)))))
-
-
-def truncate_tree(tree: DraftTree, depth: int) -> DraftTree:
-    """Keep only the nodes of a drafted tree within `depth` (parents precede children, so a prefix)."""
-    if max(tree.depths) <= depth:
-        return tree
-    keep = [i for i in range(len(tree)) if tree.depths[i] <= depth]
-    new = {old: j for j, old in enumerate(keep)}
-    return DraftTree([tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
-                     [tree.depths[i] for i in keep], [tree.q[i] for i in keep])
 
 
 def verify(target: Transformer, cache, trees: list[DraftTree], ver: Verification, req: torch.Tensor,

@@ -212,11 +212,12 @@ class ModelDrafter(Drafter):
         return idx.tolist(), vals.tolist()
 
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
-        """Rows not `active` are not caught up: they are fed their root alone, at slots their next catch-up
-        overwrites (their cache length does not move), and their commit adds the step's tokens to what they
-        owe, as in a step that drafted nothing. A batching policy that drafts for some rows only thus spares
-        the others their catch-up."""
-        self.catch_up(active=active)  # rows that owe many tokens (a drafter skipped for some steps) are fed alone
+        """An `active` row is fed what it still owes, padded beside the others, before its tree: its caller
+        runs `catch_up` first (the scheduler does, and times it), so that is a few tokens, not a prompt.
+        Rows not `active` are fed their root alone, at slots their next catch-up overwrites (their cache
+        length does not move), and their commit adds the step's tokens to what they owe, as in a step that
+        drafted nothing. A batching policy that drafts for some rows only thus spares the others their
+        catch-up."""
         model = self.model
         B = len(self.pending)
         cache = self.view = self.cache.view(B)

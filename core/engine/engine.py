@@ -12,10 +12,10 @@ from specpilot.core.engine import cost_store
 from specpilot.core.engine import numerics as numerics_
 from specpilot.core.engine.batching import CostTable, Policy, measure_catch_up, measure_costs
 from specpilot.core.engine.config import ModelLoadError
-from specpilot.core.engine.decode import GenerateResult, Verification, generate
+from specpilot.core.engine.decode import GenerateResult, Verification
 from specpilot.core.engine.drafters import Drafter, ModelDrafter, TreeSpec
 from specpilot.core.engine.model import Transformer
-from specpilot.core.engine.scheduler import Scheduler, check_fits, drive
+from specpilot.core.engine.scheduler import Scheduler, check_fits, drive, generate
 from specpilot.core.mechanisms import check_recipe, find, lookup
 from specpilot.core.recipe import Recipe, stock
 

@@ -1,9 +1,12 @@
 """The scheduler: continuous batching with batch-aware speculation; requests join and leave between steps.
 
-`Scheduler` is the one serving path: `add` a request, `step` (admit what fits, one speculative step over every
-row in flight, the new tokens per request, as `Event`s), `abort`. A recipe's scheduler is built in one place,
-`Engine.scheduler`; `drive` runs one over a fixed list (`Engine.serve`, what `bench --batch-sizes` measures), and
-an online server drives the same object from its engine thread.
+`Scheduler` is the one decoding loop: `add` a request, `step` (admit what fits, one speculative step over every
+row in flight, the new tokens per request, as `Event`s), `abort`. Its step is written once, in order: the
+drafter catches up on what rows owe it, drafts, one target forward verifies every row's tree, the acceptance
+rule walks each tree, the caches keep the accepted paths, and each request's new tokens are emitted by one set
+of rules. A recipe's online scheduler is built by `Engine.scheduler`; `drive` runs one over a fixed list
+(`Engine.serve`, what `bench --batch-sizes` measures); `generate` builds one for a fixed batch (the judge's
+timings, forcing, the benches); an online server drives the same object from its engine thread.
 Active requests stay packed in the first rows of the KV cache (a finished request's row is refilled by the
 next queued prompt, or by the last active row), so every forward runs on exactly the active batch. How deep
 each row drafts is its batching policy's choice (core/engine/batching.py). The policy is told, per row, how many
@@ -39,12 +42,12 @@ import torch
 
 from specpilot.core.engine.batching import ALPHA_MAX, MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample
 from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
-                                          Verification, cache_room, draft_depth, drafter_room, emit, misfit,
-                                          remember, step, sync, truncate_tree)
+                                          Verification, cache_room, commit_paths, draft_depth, drafter_room, emit,
+                                          misfit, remember, sync, verify)
 from specpilot.core.engine.drafters import Drafter, DraftMode, TreeSpec
 from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.prefix_cache import BLOCK, PrefixCache
-from specpilot.core.engine.tree import DraftTree, chain_paths
+from specpilot.core.engine.tree import DraftTree, chain_paths, truncate_tree
 from specpilot.core.mechanisms import lookup
 
 
@@ -68,6 +71,43 @@ class _Request:
     seed_id: int  # the id seeded sampling draws with (a request's tokens depend on it, never on its row)
     ver: Verification
     out: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Rows:
+    """The requests holding cache rows, packed from row 0, and what a step reads and advances for each: its
+    request id, its cache length, its root (the token its next step starts from), its acceptance estimate and
+    the tokens it gained in its last steps (a draft-length policy's input). One object, so a row that moves
+    or leaves moves or leaves in every field at once."""
+
+    ids: list[int] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+    roots: list[int] = field(default_factory=list)
+    alphas: list[float] = field(default_factory=list)
+    recent: list[list[int]] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def _fields(self) -> tuple[list, ...]:
+        return self.ids, self.lengths, self.roots, self.alphas, self.recent
+
+    def append(self, rid: int, length: int, root: int) -> None:
+        """A request whose cache row holds `length` positions starts decoding from `root`."""
+        for lst, value in zip(self._fields(), (rid, length, root, PRIOR_ACCEPTANCE, [])):
+            lst.append(value)
+
+    def move(self, src: int, dst: int) -> None:
+        for lst in self._fields():
+            lst[dst] = lst[src]
+
+    def pop(self) -> None:
+        for lst in self._fields():
+            lst.pop()
+
+    def clear(self) -> None:
+        for lst in self._fields():
+            lst.clear()
 
 
 @dataclass
@@ -106,19 +146,23 @@ class Scheduler:
     free rows (prefilling their prompts) and runs one speculative step over every row in flight, `abort`
     drops a request and frees its row at once. Requests join and leave between steps; a request's tokens
     do not depend on what else is in flight. Not thread-safe: one thread drives it (the server's engine
-    thread; `drive` below for a fixed list)."""
+    thread; `drive` below for a fixed list).
+
+    `eos` overrides the target's end-of-sequence tokens (an empty set decodes to every request's limit).
+    `generator` is for rules that are not batched (rejection sampling): every row draws from it in turn, so a
+    request's tokens depend on the rows beside it, which only a fixed batch (`generate`) may accept."""
 
     def __init__(self, target: Transformer, drafter: Drafter | None, spec: TreeSpec | None,
                  policy: Policy | None = None, max_batch: int = 8, max_len: int | None = None,
                  verification: Verification | None = None, draft_length: DraftLength | None = None,
                  token_budget: int | None = None, prefix_cache_bytes: int = 0,
-                 kv_cache_bytes: int | None = None) -> None:
+                 kv_cache_bytes: int | None = None, eos: set[int] | None = None,
+                 generator: torch.Generator | None = None) -> None:
         self.ver = verification or Verification()
-        self.draft_length = draft_length  # per-row depth caps from recent acceptance, as in generate
+        self.draft_length = draft_length  # per-row depth caps from recent acceptance
+        self.generator = generator
         self.rule = lookup("acceptance", self.ver.sampling)
-        if not self.rule.batched:
-            raise GenerationError(f"continuous batching serves greedy or seeded verification, not "
-                                  f"{self.ver.sampling!r}")
+        self._check_rule(self.ver)
         self.target, self.spec, self.max_batch = target, spec, max_batch
         self.policy = policy or Policy()
         self.speculative = drafter is not None and spec is not None
@@ -127,7 +171,7 @@ class Scheduler:
         self.max_len = min(max_len or self.ctx, self.ctx)  # prompt + new tokens a request may take
         nodes = max(spec.max_nodes, MAX_DEPTH) if self.speculative else 0
         room = self.max_len + cache_room(nodes)
-        self.eos = set(target.cfg.eos_token_ids)
+        self.eos = set(target.cfg.eos_token_ids) if eos is None else set(eos)
         self.cache = target.new_cache(max_batch, room, lazy=True)
         self._drafter_room = room + drafter_room(nodes)
         self._room = cache_room(nodes)
@@ -136,11 +180,7 @@ class Scheduler:
             self.drafter.open(max_batch, self._drafter_room)
         self.queue: list[int] = []
         self.requests: dict[int, _Request] = {}
-        self.rows: list[int] = []  # request id per cache row, rows packed from 0
-        self.lengths: list[int] = []
-        self.roots: list[int] = []
-        self.alphas: list[float] = []
-        self.recent: list[list[int]] = []  # per row: tokens gained in its last steps (the draft-length policy's input)
+        self.running = Rows()
         self.steps: list[StepStats] = []  # every step's statistics, unless a hook takes them instead
         self.on_step: Callable[[StepStats], None] | None = None  # e.g. a server's metrics: it keeps no history
         self._next_id = 0
@@ -161,8 +201,7 @@ class Scheduler:
         `verification` (default the scheduler's) lets one request sample seeded at its own temperature,
         top_p and seed beside greedy ones: only batched rules (greedy, seeded) are served."""
         ver = verification or self.ver
-        if not lookup("acceptance", ver.sampling).batched:
-            raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
+        self._check_rule(ver)
         if why := misfit(len(prompt), max_new_tokens, self.fits()):
             raise GenerationError(why)
         rid = self._next_id
@@ -170,6 +209,18 @@ class Scheduler:
         self.requests[rid] = _Request(list(prompt), max_new_tokens, rid if seed_id is None else seed_id, ver)
         self.queue.append(rid)
         return rid
+
+    def _check_rule(self, ver: Verification) -> None:
+        """Refuse a rule whose rows would draw from one shared generator, unless this is a fixed batch's
+        scheduler (given that generator) and the rule is its own."""
+        if lookup("acceptance", ver.sampling).batched or (self.generator is not None and ver == self.ver):
+            return
+        raise GenerationError(f"continuous batching serves greedy or seeded verification, not {ver.sampling!r}")
+
+    @property
+    def rows(self) -> list[int]:
+        """The request id in each cache row, rows packed from 0."""
+        return self.running.ids
 
     def _prefix_caches(self, nbytes: int) -> PrefixCache | None:
         """The target's prefix cache, and the drafter's, splitting `nbytes` by their KV bytes per token."""
@@ -288,7 +339,7 @@ class Scheduler:
                 cap -= min(self.token_budget, BLOCK)
         owed = [self.drafter.owed(b) for b in range(len(self.rows))]
         left = [self.requests[rid].limit - len(self.requests[rid].out) for rid in self.rows]
-        return self.policy.depths(self.alphas, cap, owed=owed, left=left)
+        return self.policy.depths(self.running.alphas, cap, owed=owed, left=left)
 
     def _prefill(self, depths: list[int] | None) -> tuple[list[Event], int]:
         """Give waiting prompts rows and prefill them: whole without a token budget, else the chunks the budget
@@ -346,8 +397,7 @@ class Scheduler:
             del self.requests[rid]
         for row in range(len(self.rows)):
             self.cache.release_row(row)
-        for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
-            lst.clear()
+        self.running.clear()
         if self.drafter is not None:
             self.drafter.open(self.max_batch, self._drafter_room)
         return events
@@ -357,64 +407,82 @@ class Scheduler:
         prompt = self.requests[rid].prompt
         if self.drafter is not None:
             self.drafter.admit(prompt)
-        self.rows.append(rid)
-        self.lengths.append(len(prompt) - 1)
-        self.roots.append(prompt[-1])
-        self.alphas.append(PRIOR_ACCEPTANCE)
-        self.recent.append([])
+        self.running.append(rid, len(prompt) - 1, prompt[-1])
 
     def _step(self, t0: float, prefill_ms: float, prefilled: int, depths: list[int] | None) -> list[Event]:
-        n, ver, spec = len(self.rows), self.ver, self.spec
-        view = self.cache.view(n)
-        req_ids = torch.tensor([self.requests[r].seed_id for r in self.rows])
+        """One step over every running row, in order: catch up, draft, verify, accept, commit; then each
+        request's new tokens. `depths`: the batching policy's per row (None: the recipe's tree each)."""
+        rows, n, dev = self.running, len(self.running), self.target.device
+        view, everyone = self.cache.view(n), list(range(n))
+        req_ids = torch.tensor([self.requests[r].seed_id for r in rows.ids])
+        vers = [self.requests[r].ver for r in rows.ids]
+        rule = self.rule if all(v == self.ver for v in vers) else mixed_rule(vers)
         active = [True] * n if depths is None else [d > 0 for d in depths]  # a row drafted nothing owes on
+        drafting = self.speculative and any(active)
+        catch_up_ms = self._catch_up(active) if drafting else 0.0
+        t1 = time.perf_counter()
+        trees = self._draft(depths, active, req_ids) if drafting else [DraftTree.root(r) for r in rows.roots]
+        sync(dev)
+        t2 = time.perf_counter()
+        choice = verify(self.target, view, trees, self.ver, req_ids, rows.lengths, rule)
+        sync(dev)
+        t3 = time.perf_counter()
+        walked = [rule.accept(trees[b], choice[b], self.generator) for b in everyone]
+        paths = [path for path, _ in walked]
+        emitted = [[trees[b].tokens[i] for i in path] + [bonus] for b, (path, bonus) in enumerate(walked)]
+        commit_paths(view, everyone, paths, rows.lengths)
+        if self.drafter is not None:
+            self.drafter.commit(everyone, paths, emitted)
+        sync(dev)
+        t4 = time.perf_counter()
+        events = self._emit(trees, paths, emitted)
+        t5 = time.perf_counter()
+        if depths is not None:
+            self.policy.observe(depths, (t5 - t1) * 1e3)
+        host_ms = (t1 - t0 + t5 - t4) * 1e3 - prefill_ms - catch_up_ms
+        self._record(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, host_ms,
+                               sum(len(t) for t in trees), [len(e) for e in emitted], prefill_ms, prefilled,
+                               catch_up_ms))
+        return events
 
-        def draft() -> list[DraftTree]:
-            if not self.speculative or (depths is not None and max(depths) == 0):
-                return [DraftTree.root(r) for r in self.roots]
-            step_spec, caps = spec, depths
-            if depths is not None:
-                step_spec = self._chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
-            elif self.draft_length is not None:
-                caps = [draft_depth(self.draft_length, spec.depth_limit, self.recent[b]) for b in range(n)]
-                step_spec = spec.shortened(max(caps))
-            trees = self.drafter.draft(step_spec, DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed,
-                                                            req_ids), active)
-            return trees if caps is None else [truncate_tree(t, d) for t, d in zip(trees, caps)]
+    def _draft(self, depths: list[int] | None, active: list[bool], req_ids: torch.Tensor) -> list[DraftTree]:
+        """Every row's tree: a chain of the policy's depth (`depths`), else the recipe's tree, cut per row by the
+        draft-length policy when there is one; a root alone for a row not `active`."""
+        spec, caps, ver = self.spec, depths, self.ver
+        if depths is not None:
+            spec = self._chain_specs.setdefault(max(depths), TreeSpec("static", chain_paths(max(depths))))
+        elif self.draft_length is not None:
+            caps = [draft_depth(self.draft_length, spec.depth_limit, r) for r in self.running.recent]
+            spec = spec.shortened(max(caps))
+        mode = DraftMode(ver.sampling, ver.temperature, ver.top_p, ver.seed, req_ids, self.generator)
+        trees = self.drafter.draft(spec, mode, active)
+        return trees if caps is None else [truncate_tree(t, d) for t, d in zip(trees, caps)]
 
-        if self.speculative and any(active):
-            self._catch_up(active)  # admitted prompts and undrafted tokens: owed work, not this step's drafting
-        vers = [self.requests[r].ver for r in self.rows]
-        rule = self.rule if all(v == ver for v in vers) else mixed_rule(vers)
-        taken = step(self.target, view, draft, self.drafter, list(range(n)), ver, rule, req_ids, self.lengths, None)
-        events, done = [], []
-        for b in range(n):
-            self.roots[b] = taken.emitted[b][-1]
-            self.recent[b] = remember(self.recent[b], len(taken.emitted[b]))
-            drafted = max(taken.trees[b].depths)
+    def _emit(self, trees: list[DraftTree], paths: list[list[int]], emitted: list[list[int]]) -> list[Event]:
+        """What a step leaves each row, by the rules every request ends by: its next root, its recent window and
+        acceptance estimate, its new tokens up to its EOS or limit; the requests that ended leave their rows."""
+        rows, events, done = self.running, [], []
+        for b, tokens in enumerate(emitted):
+            rows.roots[b] = tokens[-1]
+            rows.recent[b] = remember(rows.recent[b], len(tokens))
+            drafted = max(trees[b].depths)
             if drafted:
-                seen = acceptance_sample(len(taken.paths[b]), drafted)
-                self.alphas[b] = 0.7 * self.alphas[b] + 0.3 * min(ALPHA_MAX, max(0.05, seen))
-            req = self.requests[self.rows[b]]
-            new, finish = emit(taken.emitted[b], req.out, req.limit, self.eos)
-            events.append(Event(self.rows[b], new, finish))
+                seen = acceptance_sample(len(paths[b]), drafted)
+                rows.alphas[b] = 0.7 * rows.alphas[b] + 0.3 * min(ALPHA_MAX, max(0.05, seen))
+            req = self.requests[rows.ids[b]]
+            new, finish = emit(tokens, req.out, req.limit, self.eos)
+            events.append(Event(rows.ids[b], new, finish))
             if finish:
                 done.append(b)
         for b in sorted(done, reverse=True):
             self._free(b)
-        t5 = time.perf_counter()
-        if depths is not None:
-            self.policy.observe(depths, (t5 - taken.start) * 1e3)
-        stats = taken.stats((taken.start - t0 + t5 - taken.end) * 1e3 - prefill_ms)
-        stats.prefill_ms, stats.prefilled = prefill_ms, prefilled
-        self._record(stats)
         return events
 
-    def _catch_up(self, active: list[bool]) -> None:
+    def _catch_up(self, active: list[bool]) -> float:
         """Feed the drafter what the `active` rows owe it, and report the owed tokens fed and the time taken to
         the policy, whose price for a catch-up it corrects (not in the step's time, which `observe` learns
-        from: see Policy.observe)."""
-        rows = range(len(self.rows))
+        from: see Policy.observe). Returns the ms it took."""
+        rows = range(len(self.running))
         owed = sum(self.drafter.owed(b) for b in rows)
         if owed:
             sync(self.target.device)
@@ -423,7 +491,10 @@ class Scheduler:
         fed = owed - sum(self.drafter.owed(b) for b in rows)
         if fed > 0:
             sync(self.target.device)
-            self.policy.observe_catch_up(fed, (time.perf_counter() - t0) * 1e3)
+        ms = (time.perf_counter() - t0) * 1e3
+        if fed > 0:
+            self.policy.observe_catch_up(fed, ms)
+        return ms
 
     def _record(self, stats: StepStats) -> None:
         if self.on_step is not None:
@@ -439,10 +510,8 @@ class Scheduler:
             self.cache.move_row(last, b)
             if self.drafter is not None:
                 self.drafter.move(last, b)
-            for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
-                lst[b] = lst[last]
-        for lst in (self.rows, self.lengths, self.roots, self.alphas, self.recent):
-            lst.pop()
+            self.running.move(last, b)
+        self.running.pop()
         if self.drafter is not None:
             self.drafter.drop_last()
         self.cache.release_row(last)
@@ -473,3 +542,24 @@ def drive(sched: Scheduler, prompts: list[list[int]], limits: list[int],
                 raise GenerationError(f"request {ids[order[ev.id]]}: {ev.error}")
             outputs[order[ev.id]].extend(ev.tokens)
     return GenerateResult(outputs, sched.steps, time.perf_counter() - start)
+
+
+def generate(target: Transformer, drafter: Drafter | None, prompts: list[list[int]],
+             max_new_tokens: int | list[int], spec: TreeSpec | None = None,
+             verification: Verification | None = None, request_ids: list[int] | None = None,
+             eos_token_ids: list[int] | None = None, draft_length: DraftLength | None = None) -> GenerateResult:
+    """A fixed batch of requests through one Scheduler, all admitted at once, every row drafting `spec` (cut
+    per row by `draft_length(depth, recent)` when given); `drafter=None` or `spec=None` is autoregressive
+    decoding. `request_ids` seed sampling per request; `eos_token_ids` replaces the target's (an empty list
+    decodes to every limit). Rejection sampling is served here, and only here: its rows draw from one
+    generator seeded with the recipe's seed, which a fixed batch can share."""
+    if not prompts:
+        return GenerateResult([], [], 0.0)
+    limits = [max_new_tokens] * len(prompts) if isinstance(max_new_tokens, int) else list(max_new_tokens)
+    check_fits(target, prompts, limits)
+    ver = verification or Verification()
+    sched = Scheduler(target, drafter, spec, max_batch=len(prompts),
+                      max_len=max(len(p) + n for p, n in zip(prompts, limits)), verification=ver,
+                      draft_length=draft_length, eos=None if eos_token_ids is None else set(eos_token_ids),
+                      generator=torch.Generator().manual_seed(ver.seed))
+    return drive(sched, prompts, limits, request_ids)

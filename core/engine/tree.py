@@ -1,4 +1,6 @@
-"""Draft trees: a parents array over nodes (node 0 is the root, the last committed-but-unverified token)."""
+"""Draft trees: a parents array over nodes (node 0 is the root, the last committed-but-unverified token), and
+the walks over them: the acceptance rules' `accept` (a path through the tree and the bonus token) and the cut
+of a drafted tree to a depth."""
 
 from __future__ import annotations
 
@@ -66,3 +68,40 @@ def static_prefixes(paths: list[list[int]]) -> list[tuple[int, ...]]:
 
 def chain_paths(depth: int) -> list[list[int]]:
     return [[0] * depth]
+
+
+def accept_path(tree: DraftTree, choice: list[int], gen: torch.Generator | None = None) -> tuple[list[int], int]:
+    """Greedy walk: follow children whose token equals the target's choice; return path and bonus."""
+    children = {(tree.parents[i], tree.tokens[i]): i for i in range(1, len(tree))}
+    path, node = [], 0
+    while (node, choice[node]) in children:
+        node = children[(node, choice[node])]
+        path.append(node)
+    return path, choice[node]
+
+
+def accept_rejection(tree: DraftTree, p: torch.Tensor, gen: torch.Generator) -> tuple[list[int], int]:
+    """Speculative sampling on a chain: p [T, V] target probabilities at each node."""
+    path, node = [], 0
+    for child in range(1, len(tree)):
+        q = tree.q[child]
+        x = tree.tokens[child]
+        if torch.rand((), generator=gen).item() * q[x].item() < p[node, x].item():
+            path.append(child)
+            node = child
+            continue
+        residual = (p[node] - q).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[node]
+        return path, int(torch.multinomial(dist, 1, generator=gen).item())
+    return path, int(torch.multinomial(p[node], 1, generator=gen).item())
+
+
+def truncate_tree(tree: DraftTree, depth: int) -> DraftTree:
+    """Keep only the nodes of a drafted tree within `depth` (parents precede children, so a prefix)."""
+    if max(tree.depths) <= depth:
+        return tree
+    keep = [i for i in range(len(tree)) if tree.depths[i] <= depth]
+    new = {old: j for j, old in enumerate(keep)}
+    return DraftTree([tree.tokens[i] for i in keep], [new.get(tree.parents[i], -1) for i in keep],
+                     [tree.depths[i] for i in keep], [tree.q[i] for i in keep])

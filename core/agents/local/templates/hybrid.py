@@ -42,6 +42,7 @@ class Hybrid(Drafter):
         trees = self.ngram.draft(spec, mode, active)
         if all(len(t) > 1 for t, a in zip(trees, active) if a):
             return trees
+        self.model.catch_up(active=active)  # the model is fed what lookup steps committed only when it drafts
         return self.model.draft(spec.shortened(MODEL_DEPTH), mode, active)
 
     def commit(self, rows: list[int], paths: list[list[int]], tokens: list[list[int]]) -> None:
