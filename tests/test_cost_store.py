@@ -10,6 +10,7 @@ import pytest
 
 import specpilot.core.engine.engine as engine_module
 from specpilot.core.engine import Engine, cost_store
+from specpilot.core.engine.engine import CostKey
 from specpilot.core.engine.batching import CostTable
 from specpilot.core.recipe import Recipe
 
@@ -77,8 +78,8 @@ def test_the_identity_separates_what_changes_a_price(tiny_pair):
     target_dir, drafter_dir, _ = tiny_pair
     engine = Engine.load(target_dir, drafter_dir)
     target, _ = engine.models_for(RECIPE)
-    a = engine._cost_identity(("native", False, "same", "native", "ngram", 0), target)
-    b = engine._cost_identity(("native", False, "same", "native", "model", 0), target)
+    a = engine._cost_identity(CostKey("native", False, "same", "native", "ngram", 0), target)
+    b = engine._cost_identity(CostKey("native", False, "same", "native", "model", 0), target)
     assert cost_store.path_for(a) != cost_store.path_for(b)
     assert a["cpu"] == cost_store.cpu_model() and a["threads"] >= 1 and a["numerics"] == "f32"
 

@@ -50,7 +50,7 @@ def _oracle_model(model):
     """A copy of the q8 model whose products are q8_ref.matmul and whose attention is attention_ref.attend."""
     from dataclasses import replace
 
-    from specpilot.core.engine.numerics import _shared_input
+    from specpilot.core.engine.numerics import q8_shared_input
 
     def oracle(m):
         def product(x):
@@ -80,9 +80,9 @@ def _oracle_model(model):
 
     for layer in model.layers:
         qkv, gu = cells(layer.qkv), cells(layer.gate_up)
-        layers.append(replace(layer, qkv=_shared_input([Oracle(m) for m in qkv["parts"]], qkv["perms"],
+        layers.append(replace(layer, qkv=q8_shared_input([Oracle(m) for m in qkv["parts"]], qkv["perms"],
                                                        qkv.get("bias")),
-                              o=oracle(layer.o), gate_up=_shared_input([Oracle(m) for m in gu["parts"]]),
+                              o=oracle(layer.o), gate_up=q8_shared_input([Oracle(m) for m in gu["parts"]]),
                               down=oracle(layer.down)))
     copy.layers = layers
     copy.lm_head = oracle(model.lm_head)

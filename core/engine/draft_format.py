@@ -147,11 +147,11 @@ def gguf_drafter(model: Transformer) -> Transformer:
                              "products; use --device cpu --dtype float32, or drafter_format = 'same'")
     try:
         attention.library()
-        copy = on_blocks(model, info["gguf"], functools.partial(Q8Matrix, repack=True), numerics._shared_input)
+        copy = on_blocks(model, info["gguf"], functools.partial(Q8Matrix, repack=True), numerics.q8_shared_input)
     except (KernelUnavailable, UnsupportedBlockType) as exc:
         raise ModelLoadError(f"weights.drafter_format = 'blocks8' cannot run here ({exc}); use drafter_format = "
                              "'q4', 'q8' or 'same'") from None
-    copy.attention = numerics._attend
+    copy.attention = numerics.q8_attend
     copy.silu_mul = attention.silu_mul
     head = copy.lm_head
     if head.n > 2 * HEAD_VOCAB:

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import json
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
@@ -36,7 +37,8 @@ def tree_spec(recipe: Recipe) -> TreeSpec:
     return shape if isinstance(shape, TreeSpec) else TreeSpec("static", [list(p) for p in shape])
 
 
-class ModelKey(NamedTuple):
+@dataclass(frozen=True)
+class ModelKey:
     """Which converted copy of a model the engine caches: whose weights (`target` or `drafter`), in which weight
     format, on which linear backend (`skinny` also as the copy `fused` builds on), in which drafter format."""
 
@@ -44,6 +46,44 @@ class ModelKey(NamedTuple):
     format: str = "native"
     backend: str = "native"
     drafter_format: str = "same"
+
+
+@dataclass(frozen=True)
+class DrafterKey:
+    """Which drafter a recipe drafts with: its method and what the method reads (exit layer, n-gram size), and
+    the drafter model's copy (weight format, whether the format applies to it, drafter format, backend)."""
+
+    method: str
+    exit_layer: int | None
+    ngram_max: int
+    format: str
+    drafter: bool
+    drafter_format: str
+    linear: str
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "DrafterKey":
+        d, w = recipe.draft, recipe.weights
+        return cls(d.method, d.exit_layer, d.ngram_max, w.format, w.drafter, w.drafter_format, recipe.runtime.linear)
+
+
+@dataclass(frozen=True)
+class CostKey:
+    """Which steps a cost table prices: the target's copy (weight format, linear backend) and the drafter's
+    (whether the format applies to it, its drafter format, method and exit layer). Stored tables are found by
+    its fields in this order (core/engine/cost_store.py)."""
+
+    format: str
+    drafter: bool
+    drafter_format: str
+    linear: str
+    method: str
+    exit_layer: int | None
+
+    @classmethod
+    def of(cls, recipe: Recipe) -> "CostKey":
+        d, w = recipe.draft, recipe.weights
+        return cls(w.format, w.drafter, w.drafter_format, recipe.runtime.linear, d.method, d.exit_layer)
 
 
 class Engine:
@@ -56,9 +96,9 @@ class Engine:
         self.drafter_model = drafter_model
         self.target_dir = target_dir
         self.drafter_dir = drafter_dir
-        self._drafters: dict[tuple, Drafter] = {}
+        self._drafters: dict[DrafterKey, Drafter] = {}
         self._models: dict[ModelKey, Transformer] = {}
-        self._tables: dict[tuple, CostTable] = {}
+        self._tables: dict[CostKey, CostTable] = {}
         for model, where in ((target, target_dir), (drafter_model, drafter_dir)):
             if model is not None and where is not None:  # the checkpoint a model came from (and its GGUF file,
                 model.checkpoint = str(where)  # gguf_checkpoint.source): drafter_format 'blocks8' reads it
@@ -121,8 +161,8 @@ class Engine:
         target = ModelKey("target", w.format if self.numerics == "f32" else "native")
         drafter = ModelKey("drafter", w.format if w.drafter else "native")
         return {"target": target, "drafter": drafter,
-                "target_backend": target._replace(backend=backend),
-                "drafter_format": drafter._replace(backend=backend, drafter_format=w.drafter_format)}
+                "target_backend": replace(target, backend=backend),
+                "drafter_format": replace(drafter, backend=backend, drafter_format=w.drafter_format)}
 
     def packed_bytes(self, recipe: Recipe) -> int:
         """Private memory the copies the recipe's mechanisms would build add (those not yet built): each
@@ -146,7 +186,7 @@ class Engine:
         return [("weight_format", fmt, keys["target"] in self._models, target + (drafter if w.drafter else 0)),
                 ("linear_backend", backend, keys["target_backend"] in self._models, target + drafter),
                 ("drafter_format", w.drafter_format, keys["drafter_format"] in self._models, drafter),
-                ("drafter", recipe.draft.method, self._drafter_cache_key(recipe) in self._drafters, drafter)]
+                ("drafter", recipe.draft.method, DrafterKey.of(recipe) in self._drafters, drafter)]
 
     def _budget(self, recipe: Recipe) -> None:
         """Refuse, before building them, packed copies that would not fit in the memory available now."""
@@ -164,25 +204,19 @@ class Engine:
         sharing its packed weights."""
         def skinny() -> Transformer:
             build = lookup("linear_backend", "skinny")
-            return self._converted(key._replace(backend="skinny"), lambda: build(model, None))
+            return self._converted(replace(key, backend="skinny"), lambda: build(model, None))
 
         build = lookup("linear_backend", backend)
-        return self._converted(key._replace(backend=backend), lambda: build(model, skinny))
+        return self._converted(replace(key, backend=backend), lambda: build(model, skinny))
 
     def _converted(self, key: ModelKey, build) -> Transformer:
         if key not in self._models:
             self._models[key] = build()
         return self._models[key]
 
-    @staticmethod
-    def _drafter_cache_key(recipe: Recipe) -> tuple:
-        """Cache key of the drafter a recipe drafts with."""
-        d, w = recipe.draft, recipe.weights
-        return (d.method, d.exit_layer, d.ngram_max, w.format, w.drafter, w.drafter_format, recipe.runtime.linear)
-
     def drafter_for(self, recipe: Recipe) -> Drafter:
         target, drafter_model = self.models_for(recipe)
-        key = self._drafter_cache_key(recipe)
+        key = DrafterKey.of(recipe)
         if key in self._drafters:
             return self._drafters[key]
         drafter: Drafter = lookup("drafter", recipe.draft.method)(self, recipe, target, drafter_model)
@@ -211,9 +245,7 @@ class Engine:
         again with it."""
         target, _ = self.models_for(recipe)
         drafter = self.drafter_for(recipe)
-        d = recipe.draft
-        key = (recipe.weights.format, recipe.weights.drafter, recipe.weights.drafter_format, recipe.runtime.linear,
-               d.method, d.exit_layer)
+        key = CostKey.of(recipe)
         identity = self._cost_identity(key, target)
         if remeasure:
             self._tables.pop(key, None)
@@ -239,11 +271,11 @@ class Engine:
                 table.source = f"measured now, kept in {cost_store.save(identity, table)}"
         return table
 
-    def _cost_identity(self, key: tuple, target: Transformer) -> dict:
+    def _cost_identity(self, key: CostKey, target: Transformer) -> dict:
         """Everything a step's cost depends on (see core/engine/cost_store.py)."""
         files = [str(Path(p).resolve()) if p else None for p in (self.target_dir, self.drafter_dir)]
         return {"target": files[0], "drafter": files[1], "numerics": self.numerics, "dtype": str(target.dtype),
-                "device": str(target.device), "recipe": list(key), "cpu": cost_store.device_name(str(target.device)),
+                "device": str(target.device), "recipe": list(astuple(key)), "cpu": cost_store.device_name(str(target.device)),
                 "threads": torch.get_num_threads(), "torch": torch.__version__}
 
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,

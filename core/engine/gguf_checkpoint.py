@@ -126,7 +126,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-def _unpermute(w: np.ndarray, heads: int) -> np.ndarray:
+def unpermute(w: np.ndarray, heads: int) -> np.ndarray:
     """Undo llama.cpp's rotary permutation of q/k rows (llama architecture only); a pure reordering."""
     rows = w.shape[0]
     return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
@@ -169,7 +169,7 @@ def dequantised(r, cfg: dict):
         values = np.ascontiguousarray(values, dtype=np.float32).reshape(shape(t))
         if cfg["model_type"] == "llama" and (name.endswith("q_proj.weight") or name.endswith("k_proj.weight")):
             heads = cfg["num_attention_heads"] if "q_proj" in name else cfg["num_key_value_heads"]
-            values = np.ascontiguousarray(_unpermute(values, heads))
+            values = np.ascontiguousarray(unpermute(values, heads))
         yield name, values
 
 

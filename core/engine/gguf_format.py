@@ -60,7 +60,7 @@ def on_blocks(model: Transformer, path: str, matrix_type: type, stacked: Callabl
         """Output columns in Hugging Face order: llama.cpp stores llama's q/k rows rotary-permuted."""
         if not permuted:
             return None
-        return torch.from_numpy(gguf_checkpoint._unpermute(np.arange(rows)[:, None], heads)[:, 0].copy())
+        return torch.from_numpy(gguf_checkpoint.unpermute(np.arange(rows)[:, None], heads)[:, 0].copy())
 
     stored = 0
     layers = []

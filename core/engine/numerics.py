@@ -93,20 +93,21 @@ def q8_transformer(model: Transformer, path: str) -> Transformer:
         attention.library()
     except KernelUnavailable as exc:
         raise NumericsError(f"numerics q8 cannot run here: {exc}; use --numerics f32") from None
-    copy = on_blocks(model, path, Q8Matrix, _shared_input)
+    copy = on_blocks(model, path, Q8Matrix, q8_shared_input)
     copy.numerics = "q8"
-    copy.attention = _attend
+    copy.attention = q8_attend
     copy.silu_mul = attention.silu_mul
     return copy
 
 
-def _attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> torch.Tensor:
+def q8_attend(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step) -> torch.Tensor:
+    """A q8 model's attention: the exact kernel, whose sums do not depend on how many queries share a pass."""
     from specpilot.kernels.cpu.attention import attend
 
     return attend(q, keys, values, step.visible)
 
 
-def _shared_input(parts: list, perms: tuple | None = None, bias: torch.Tensor | None = None) -> Linear:
+def q8_shared_input(parts: list, perms: tuple | None = None, bias: torch.Tensor | None = None) -> Linear:
     """One projection whose output is the parts' side by side, quantising their shared input once."""
     perms = perms or (None,) * len(parts)
 

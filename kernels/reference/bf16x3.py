@@ -26,7 +26,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specpilot.kernels.reference.gguf_ref import QK_K, _f16, _nibbles, as_raw, dequantize, q4_k_scales, qtype_id, FORMATS
+from specpilot.kernels.reference.gguf_ref import QK_K, f16_values, nibbles, as_raw, dequantize, q4_k_scales, qtype_id, FORMATS
 
 MIN_NORMAL_EXP = -126  # float32's and bfloat16's smallest normal exponent
 # Every piece of x is a multiple of x's ulp, 2^(e - 23), and so is every exact sum of pieces times integer
@@ -80,28 +80,28 @@ def codes_and_scales(raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k
     b = as_raw(raw, t, n, k).reshape(-1, size)
     nb = b.shape[0]
     if t == 3:  # Q4_1: w = d q + m
-        d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-        q, a, off = _nibbles(b[:, 4:20]).float(), d, -m
+        d, m = f16_values(b[:, 0:2]), f16_values(b[:, 2:4])
+        q, a, off = nibbles(b[:, 4:20]).float(), d, -m
     elif t == 6:  # Q5_0: w = d (q - 16)
         qh = b[:, 2:6].long()
         qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
         hi = (qh[:, None] >> torch.arange(32)) & 1
-        q = ((_nibbles(b[:, 6:22]) | hi << 4) - 16).float()
-        a = _f16(b[:, 0:2])
+        q = ((nibbles(b[:, 6:22]) | hi << 4) - 16).float()
+        a = f16_values(b[:, 0:2])
         off = torch.zeros_like(a)
     elif t == 8:  # Q8_0: w = d q
-        q, a = b[:, 2:34].contiguous().view(torch.int8).float(), _f16(b[:, 0:2])
+        q, a = b[:, 2:34].contiguous().view(torch.int8).float(), f16_values(b[:, 0:2])
         off = torch.zeros_like(a)
     elif t == 12:  # Q4_K: w = (d sc) q - dmin m, per 32
-        d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+        d, dmin = f16_values(b[:, 0:2]), f16_values(b[:, 2:4])
         sc, mn = q4_k_scales(b[:, 4:16])
         a, off = d * sc.float(), dmin * mn.float()
-        q = _nibbles(b[:, 16:144].reshape(nb, 4, 32)).reshape(nb, QK_K).float()
+        q = nibbles(b[:, 16:144].reshape(nb, 4, 32)).reshape(nb, QK_K).float()
     elif t == 14:  # Q6_K: w = (d scale) q, per 16
-        ql = _nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
+        ql = nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
         qh = b[:, 128:192].long().reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)
         q = ((ql | (qh & 3) << 4) - 32).reshape(nb, QK_K).float()
-        a = _f16(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()
+        a = f16_values(b[:, 208:210]) * b[:, 192:208].contiguous().view(torch.int8).float()
         off = torch.zeros_like(a)
     else:
         raise ValueError(f"no codes for {name}")

@@ -70,34 +70,34 @@ def as_raw(raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int) -> 
     return t.reshape(n, rb)
 
 
-def _f16(b: torch.Tensor) -> torch.Tensor:
+def f16_values(b: torch.Tensor) -> torch.Tensor:
     """Two bytes (last dim) as float16 widened to float32 (exact)."""
     return b.contiguous().view(torch.float16).float()
 
 
-def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+def nibbles(qs: torch.Tensor) -> torch.Tensor:
     """Bytes [..., L] -> [..., 2L]: all low nibbles, then all high nibbles (gguf's order)."""
     q = qs.long()
     return torch.cat([q & 15, q >> 4], dim=-1)
 
 
 def _q4_1(b: torch.Tensor) -> torch.Tensor:
-    d, m = _f16(b[:, 0:2]), _f16(b[:, 2:4])
-    q = _nibbles(b[:, 4:20]).float()
+    d, m = f16_values(b[:, 0:2]), f16_values(b[:, 2:4])
+    q = nibbles(b[:, 4:20]).float()
     return d * q + m
 
 
 def _q5_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, 0:2])
+    d = f16_values(b[:, 0:2])
     qh = b[:, 2:6].long()
     qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
     hi = (qh[:, None] >> torch.arange(32, device=b.device)) & 1
-    q = (_nibbles(b[:, 6:22]) | hi << 4) - 16
+    q = (nibbles(b[:, 6:22]) | hi << 4) - 16
     return d * q.float()
 
 
 def _q8_0(b: torch.Tensor) -> torch.Tensor:
-    d = _f16(b[:, 0:2])
+    d = f16_values(b[:, 0:2])
     return b[:, 2:34].contiguous().view(torch.int8).float() * d
 
 
@@ -112,21 +112,21 @@ def q4_k_scales(s: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _q4_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
-    d, dmin = _f16(b[:, 0:2]), _f16(b[:, 2:4])
+    d, dmin = f16_values(b[:, 0:2]), f16_values(b[:, 2:4])
     sc, mn = q4_k_scales(b[:, 4:16])
     ds = (d * sc.float())[:, :, None]
     dm = (dmin * mn.float())[:, :, None]
-    q = _nibbles(b[:, 16:144].reshape(nb, 4, 32)).reshape(nb, 8, 32).float()
+    q = nibbles(b[:, 16:144].reshape(nb, 4, 32)).reshape(nb, 8, 32).float()
     return (ds * q - dm).reshape(nb, QK_K)
 
 
 def _q6_k(b: torch.Tensor) -> torch.Tensor:
     nb = b.shape[0]
-    ql = _nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
+    ql = nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
     qh = b[:, 128:192].long().reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], device=b.device).reshape(1, 1, 4, 1)
     q = ((ql | (qh & 3) << 4) - 32).reshape(nb, 16, 16).float()
     scales = b[:, 192:208].contiguous().view(torch.int8).float()
-    d = _f16(b[:, 208:210])
+    d = f16_values(b[:, 208:210])
     return ((d * scales)[:, :, None] * q).reshape(nb, QK_K)
 
 

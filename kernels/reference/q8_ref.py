@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specpilot.kernels.reference.gguf_ref import FORMATS, QK_K, UnsupportedBlockType, _f16, _nibbles, as_raw, \
+from specpilot.kernels.reference.gguf_ref import FORMATS, QK_K, UnsupportedBlockType, f16_values, nibbles, as_raw, \
     q4_k_scales, qtype_id
 
 QA = 256  # activation block: values per scale
@@ -94,27 +94,27 @@ def _codes(raw: torch.Tensor, t: int) -> tuple[torch.Tensor, dict[str, torch.Ten
     nb = b.shape[0]
     f: dict[str, torch.Tensor] = {}
     if t == 8:  # Q8_0
-        f["d"] = _f16(b[:, 0:2])[:, 0]
+        f["d"] = f16_values(b[:, 0:2])[:, 0]
         codes = b[:, 2:34].contiguous().view(torch.int8).long()
     elif t == 6:  # Q5_0
-        f["d"] = _f16(b[:, 0:2])[:, 0]
+        f["d"] = f16_values(b[:, 0:2])[:, 0]
         qh = b[:, 2:6].long()
         qh = qh[:, 0] | qh[:, 1] << 8 | qh[:, 2] << 16 | qh[:, 3] << 24
         hi = (qh[:, None] >> torch.arange(32)) & 1
-        codes = (_nibbles(b[:, 6:22]) | hi << 4) - 16
+        codes = (nibbles(b[:, 6:22]) | hi << 4) - 16
     elif t == 3:  # Q4_1
-        f["d"], f["m"] = _f16(b[:, 0:2])[:, 0], _f16(b[:, 2:4])[:, 0]
-        codes = _nibbles(b[:, 4:20])
+        f["d"], f["m"] = f16_values(b[:, 0:2])[:, 0], f16_values(b[:, 2:4])[:, 0]
+        codes = nibbles(b[:, 4:20])
     elif t == 12:  # Q4_K
-        f["d"], f["dmin"] = _f16(b[:, 0:2])[:, 0], _f16(b[:, 2:4])[:, 0]
+        f["d"], f["dmin"] = f16_values(b[:, 0:2])[:, 0], f16_values(b[:, 2:4])[:, 0]
         f["sc"], f["mn"] = q4_k_scales(b[:, 4:16])
-        codes = _nibbles(b[:, 16:144].reshape(nb, 4, 32)).reshape(nb, 256)
+        codes = nibbles(b[:, 16:144].reshape(nb, 4, 32)).reshape(nb, 256)
     elif t == 14:  # Q6_K
-        ql = _nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
+        ql = nibbles(b[:, 0:128].reshape(nb, 2, 64)).reshape(nb, 2, 4, 32)
         qh = b[:, 128:192].long().reshape(nb, 2, 1, 32) >> torch.tensor([0, 2, 4, 6]).reshape(1, 1, 4, 1)
         codes = ((ql | (qh & 3) << 4) - 32).reshape(nb, 256)
         f["sc"] = b[:, 192:208].contiguous().view(torch.int8).long()
-        f["d"] = _f16(b[:, 208:210])[:, 0]
+        f["d"] = f16_values(b[:, 208:210])[:, 0]
     else:
         raise UnsupportedBlockType(f"q8 has no integer product for {name}")
     per_row = nb // n
