@@ -5,12 +5,14 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import asdict, dataclass
+from importlib.resources import files
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-DEMO_TARGET = ROOT / "models" / "demo-target"
-DEMO_DRAFTER = ROOT / "models" / "demo-drafter"
-DEMO_WORKLOAD = ROOT / "workloads" / "code.jsonl"
+MODELS = Path(str(files("specpilot.models")))  # package data: the checkout's models/ or the installed copy
+WORKLOADS = Path(str(files("specpilot.workloads")))
+DEMO_TARGET = MODELS / "demo-target"
+DEMO_DRAFTER = MODELS / "demo-drafter"
+DEMO_WORKLOAD = WORKLOADS / "code.jsonl"
 
 
 def default_dtype(device: str) -> str:

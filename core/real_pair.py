@@ -7,9 +7,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from specpilot.core.deployment import ROOT
+from specpilot.core.deployment import WORKLOADS
 
-WORKLOAD = ROOT / "workloads" / "coding_chat.jsonl"
+WORKLOAD = WORKLOADS / "coding_chat.jsonl"
 
 
 @dataclass

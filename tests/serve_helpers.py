@@ -25,10 +25,15 @@ def free_port() -> int:
 class Server:
     """`python -m specpilot.core.cli serve ARGS` on a free port, started and waited for; stopped on exit."""
 
-    def __init__(self, *args: str, ready_s: float = 240.0) -> None:
+    def __init__(self, *args: str, ready_s: float = 240.0, command: list[str] | None = None,
+                 cwd: Path = ROOT, env: dict[str, str] | None = None) -> None:
+        """`command` replaces `python -m specpilot.core.cli` (an installed `specpilot`, say), run in `cwd` with
+        `env` (default this process's environment)."""
         self.port = free_port()
-        self.args = [sys.executable, "-m", "specpilot.core.cli", "serve", "--port", str(self.port), *args]
+        cli = command or [sys.executable, "-m", "specpilot.core.cli"]
+        self.args = [*cli, "serve", "--port", str(self.port), *args]
         self.ready_s = ready_s
+        self.cwd, self.env = cwd, env
         self.proc: subprocess.Popen | None = None
         self.log = b""
 
@@ -37,8 +42,8 @@ class Server:
         return f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> "Server":
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen(self.args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        env = {**(os.environ if self.env is None else self.env), "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen(self.args, cwd=self.cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + self.ready_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
