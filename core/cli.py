@@ -1,4 +1,5 @@
-"""`specpilot`: the headless command line (bench, profile, verify, run, runs, show, export, fetch, train-demo)."""
+"""`specpilot`: the headless command line. It parses and prints; what a command does lives in the package, and
+its commands are the one table COMMANDS, at the end."""
 
 from __future__ import annotations
 
@@ -12,16 +13,17 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from specpilot.core.costmodel.drift import describe
+from specpilot.core.demo_training import main as train_demo  # torch and transformers load inside, not here
 from specpilot.core.deployment import Deployment
 from specpilot.core.fetch import DEPLOYMENTS, fetch
 from specpilot.core.recipe import resolve
-from specpilot.core.recipe_source import (best_run, finished_rounds, incumbent, open_store, recipes_from_spec,
-                                          run_incumbent, store_path)
+from specpilot.core.recipe_source import exported_run, finished_rounds, open_store, recipes_from_spec, store_path
 from specpilot.core.store import Store, StoreError
 from specpilot.core.workload import encode, load, split
 
-# The engine, the loop, the server and transformers are imported where a command needs them: each loads torch,
-# and `runs`, `show`, `fetch` and `--help` answer without it.
+# Every import inside a function below is deliberately lazy: the engine and its numerics, the benches, the loop,
+# export, the server, the cost model's report, forcing and transformers each load torch (a second or more), and
+# the anthropic SDK takes seconds; `runs`, `show`, `fetch` and `--help` answer without any of them.
 
 
 def deployment_options(p: argparse.ArgumentParser) -> None:
@@ -207,7 +209,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
                             hf=not args.no_hf, progress=not args.quiet,
                             hf_systems=tuple(n.strip() for n in args.hf.split(",") if n.strip()),
                             our_ar=not args.no_ar)
-    print(json.dumps(summary, indent=2) if args.json else bench.table(summary))
+    if args.json:
+        print(json.dumps(summary, indent=2))
+    else:
+        print(bench.table(summary) + ("\n\n" + bench.phases_table(summary) if args.phases else ""))
     return 0
 
 
@@ -228,6 +233,9 @@ def add_bench(sub) -> None:
                         "ar+gguf and the like still run")
     p.add_argument("--hf", default="hf-ar,hf-assisted,hf-assisted-tuned,hf-lookup",
                    help="which transformers baselines to run (comma-separated)")
+    p.add_argument("--phases", action="store_true",
+                   help="also where our systems' time went: prompt prefill, drafter catch-up, drafting, "
+                        "verification, the rest, and decoding ms per token without the prompt (always in --json)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--json", action="store_true")
     p.set_defaults(func=cmd_bench)
@@ -342,20 +350,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     if not (args.recipe or args.to or args.nearest):
         raise ValueError("export: say what to write: --recipe OUT.toml, --to ENGINE, or --nearest OUT.toml")
-    store, path = open_store(args.db, "export")
-    if args.run == "best":
-        deployment = Deployment.from_args(args)
-        _, run_id = best_run(deployment, path)
-        recipe = incumbent(store, run_id)
-    elif args.run.isdigit():
-        run_id = int(args.run)
-        run = store.run(run_id)
-        if run is None:
-            raise FileNotFoundError(f"run {run_id} is not in {path}; see `specpilot runs`")
-        deployment = Deployment(**run["deployment"])
-        recipe = run_incumbent(run_id, deployment, path)
-    else:
-        raise ValueError(f"export: {args.run!r} is neither a run id nor `best`; see `specpilot runs`")
+    mine = Deployment.from_args(args) if args.run == "best" else None  # a run id names its own deployment
+    store, run_id, recipe, deployment = exported_run(args.run, mine, args.db)
     history = [r["incumbent"] for r in finished_rounds(store, run_id)]
     if args.recipe:
         recipe.save(args.recipe)
@@ -397,9 +393,7 @@ def add_serve(sub) -> None:
 
 
 def cmd_train_demo(args: argparse.Namespace) -> int:
-    from specpilot.core.demo_training import main as train  # lazily: loads torch and transformers
-
-    return train(args.rest)
+    return train_demo(args.rest)
 
 
 def add_train_demo(sub) -> None:

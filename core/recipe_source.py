@@ -134,3 +134,22 @@ def serving_recipe(spec: str, deployment: Deployment, db: str | None) -> tuple[R
     if spec.isdigit():
         return run_incumbent(int(spec), deployment, db), True
     return recipes_from_spec(spec, deployment, db)[0], True
+
+
+def exported_run(spec: str, deployment: Deployment | None, db: str | None) -> tuple[Store, int, Recipe, Deployment]:
+    """What `export` writes from: `best` (the newest run on `deployment` that finished a round) or a run id, as
+    its store, run id, final incumbent and the deployment the run was on (a run id brings its own)."""
+    if spec == "best":
+        if deployment is None:
+            raise ValueError("export best: name the deployment (--target, --drafter) whose newest run to export")
+        store, run_id = best_run(deployment, db)
+        return store, run_id, incumbent(store, run_id), deployment
+    if not spec.isdigit():
+        raise ValueError(f"export: {spec!r} is neither a run id nor `best`; see `specpilot runs`")
+    store, path = open_store(db, "export")
+    run_id = int(spec)
+    run = store.run(run_id)
+    if run is None:
+        raise FileNotFoundError(f"run {run_id} is not in {path}; see `specpilot runs`")
+    own = Deployment(**run["deployment"])
+    return store, run_id, run_incumbent(run_id, own, db), own
