@@ -15,6 +15,7 @@ import sys
 
 from tqdm import tqdm
 
+from specpilot.core.bench import phase_fields
 from specpilot.core.deployment import Deployment
 from specpilot.core.engine import Engine
 from specpilot.core.recipe import Recipe
@@ -59,6 +60,8 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
     outputs: dict[tuple[int, str], list[list[int]]] = {}
     rates: dict[tuple[int, str], list[float]] = {}
     accepted: dict[tuple[int, str], list[int]] = {}
+    phases: dict[tuple[int, str], dict[str, float]] = {}
+    tokens: dict[tuple[int, str], int] = {}
     bar = tqdm(total=repeats * len(batch_sizes) * len(systems), desc="bench", file=sys.stderr, disable=not progress)
     for rep in range(repeats):
         for b in batch_sizes:
@@ -70,6 +73,8 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
                 rates.setdefault(key, []).append(result.new_tokens / result.seconds)
                 accepted.setdefault(key, []).extend(a for s in result.steps for a in s.accepted)
                 outputs[key] = result.tokens
+                tokens[key] = tokens.get(key, 0) + result.new_tokens
+                phases[key] = {p: phases.get(key, {}).get(p, 0.0) + v for p, v in result.phase_seconds().items()}
                 bar.update()
     bar.close()
     if reference is None:
@@ -87,7 +92,8 @@ def run_batched(deployment: Deployment, recipes: list[Recipe], batch_sizes: list
                      "tokens_per_s_min": min(r), "tokens_per_s_max": max(r),
                      "speedup_vs_ar": statistics.median(r) / ar,
                      "mean_accepted_length": sum(acc) / len(acc) if speculative else None,
-                     "requests": len(prompts), "mismatched_requests": mismatched[(b, name)]}
+                     "requests": len(prompts), "mismatched_requests": mismatched[(b, name)],
+                     **phase_fields(phases[(b, name)], repeats, tokens[(b, name)])}
             if speculative and same_runtime(recipe):
                 same = statistics.median(rates[(b, same_runtime(recipe))])
                 entry["speedup_vs_ar_same_runtime"] = statistics.median(r) / same

@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from specpilot.core.deployment import Deployment
 from specpilot.core.engine import Engine
-from specpilot.core.engine.decode import sync
+from specpilot.core.engine.decode import PHASES, sync
 from specpilot.core.recipe import Recipe
 from specpilot.core.workload import Request, encode, load, split
 
@@ -34,6 +34,11 @@ class SystemResult:
     outputs: dict[str, list[int]] = field(default_factory=dict)
     accepted: list[int] = field(default_factory=list)
     speculative: bool = False
+    phases: dict[str, float] | None = None  # seconds per phase over every repeat (our systems; None: transformers)
+
+    def add(self, phases: dict[str, float] | None) -> None:
+        if phases is not None:
+            self.phases = {p: (self.phases or {}).get(p, 0.0) + phases[p] for p in PHASES}
 
     def to_dict(self, reference: dict[str, list[int]] | None) -> dict:
         rates = [t / s for t, s in zip(self.tokens, self.seconds) if s > 0]
@@ -48,7 +53,18 @@ class SystemResult:
             "mean_accepted_length": (sum(self.accepted) / len(self.accepted)) if self.speculative and self.accepted else None,
             "requests": len(self.outputs),
             "mismatched_requests": mismatched,
+            **phase_fields(self.phases, len(self.seconds), sum(self.tokens)),
         }
+
+
+def phase_fields(phases: dict[str, float] | None, repeats: int, tokens: int) -> dict:
+    """A system's `phases_s` (seconds per phase in one pass over the requests, the mean over the repeats) and
+    `decode_ms_per_token` (drafting, verification, commit and host time per new token: the prompt's share left
+    out); nothing for a system whose phases are not timed (transformers)."""
+    if phases is None or repeats == 0 or tokens == 0:
+        return {}
+    decode = sum(phases[p] for p in ("draft", "verify", "commit", "host"))
+    return {"phases_s": {p: v / repeats for p, v in phases.items()}, "decode_ms_per_token": 1e3 * decode / tokens}
 
 
 class HFSystems:
@@ -114,7 +130,7 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
     limits = {r.id: max_new_tokens or r.max_new_tokens for r in requests}
     engine = engine or Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
                                  deployment.numerics)
-    runners: dict[str, Callable[[Request], tuple[list[int], float, list[int]]]] = {}
+    runners: dict[str, Callable[[Request], tuple[list[int], float, list[int], dict[str, float] | None]]] = {}
     notes: list[str] = []
     if hf and hf_systems:
         models = HFSystems(deployment)
@@ -144,11 +160,12 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
         for i, request in enumerate(requests):
             shift = (i + rep) % len(order)
             for name in order[shift:] + order[:shift]:
-                tokens, seconds, accepted = runners[name](request)
+                tokens, seconds, accepted, phases = runners[name](request)
                 totals[name][0] += len(tokens)
                 totals[name][1] += seconds
                 results[name].outputs[request.id] = tokens
                 results[name].accepted.extend(accepted)
+                results[name].add(phases)
                 bar.update()
         for name, (n, s) in totals.items():
             results[name].tokens.append(n)
@@ -166,20 +183,20 @@ def run(deployment: Deployment, recipes: list[Recipe], which: str = "all", max_r
 
 
 def _hf_runner(hf: HFSystems, name: str, prompts: dict, limits: dict, device: str):
-    def go(request: Request) -> tuple[list[int], float, list[int]]:
+    def go(request: Request) -> tuple[list[int], float, list[int], None]:
         sync(device)
         t0 = time.perf_counter()
         tokens = hf.run(name, prompts[request.id], limits[request.id])
         sync(device)
-        return tokens, time.perf_counter() - t0, []
+        return tokens, time.perf_counter() - t0, [], None
     return go
 
 
 def _our_runner(engine: Engine, recipe: Recipe | None, prompts: dict, limits: dict, speculative: bool = True):
-    def go(request: Request) -> tuple[list[int], float, list[int]]:
+    def go(request: Request) -> tuple[list[int], float, list[int], dict[str, float]]:
         result = engine.generate([prompts[request.id]], limits[request.id], recipe,
                                  speculative=speculative and recipe is not None)
-        return result.tokens[0], result.seconds, [a for s in result.steps for a in s.accepted]
+        return result.tokens[0], result.seconds, [a for s in result.steps for a in s.accepted], result.phase_seconds()
     return go
 
 
@@ -207,4 +224,21 @@ def table(summary: dict) -> str:
         lines.append(f"{r['name']:<18}{r['tokens_per_s']:>9.1f}{r['tokens_per_s_min']:>9.1f}"
                      f"{r['tokens_per_s_max']:>9.1f}{speed:>10}{acc:>8}{r['mismatched_requests']!s:>10}")
     lines += [f"note: {n}" for n in summary.get("notes", [])]
+    return "\n".join(lines)
+
+
+def phases_table(summary: dict) -> str:
+    """Where each of our systems' time went (seconds in one pass over the requests), beside its decoding rate
+    without the prompt: the target's prompt prefill, the drafter's catch-up, drafting, verification, and the
+    commit with the host's share."""
+    rows = [r for r in summary["results"] if "phases_s" in r]
+    width = max(16, *(len(r["name"]) + 2 for r in rows)) if rows else 16
+    batch = "batch_sizes" in summary
+    lines = [("batch  " if batch else "") + f"{'system':<{width}}{'prefill s':>10}{'catch-up s':>11}{'draft s':>9}"
+             f"{'verify s':>10}{'other s':>9}{'decode ms/tok':>15}"]
+    for r in rows:
+        ph = r["phases_s"]
+        lines.append((f"{r['batch_size']:>5}  " if batch else "") + f"{r['name']:<{width}}{ph['prefill']:>10.2f}"
+                     f"{ph['catch_up']:>11.2f}{ph['draft']:>9.2f}{ph['verify']:>10.2f}"
+                     f"{ph['commit'] + ph['host']:>9.2f}{r['decode_ms_per_token']:>15.1f}")
     return "\n".join(lines)

@@ -51,6 +51,17 @@ def test_bench_json_fields(tmp_path):
         assert (r["mean_accepted_length"] is None) == (r["name"] in ("hf-ar", "hf-assisted", "hf-assisted-tuned", "hf-lookup", "ar"))
     ours = {r["name"]: r for r in summary["results"]}
     assert ours["ar"]["mismatched_requests"] == 0 and ours["stock"]["mismatched_requests"] == 0
+    for r in summary["results"]:  # where the time went: our systems only, each phase within the pass's time
+        assert ("phases_s" in r) == (not r["name"].startswith("hf-"))
+    for name in ("ar", "stock", "ngram"):
+        ph = ours[name]["phases_s"]
+        assert set(ph) == {"prefill", "catch_up", "draft", "verify", "commit", "host"}
+        assert ph["prefill"] > 0 and ph["verify"] > 0
+        tokens = 1e3 * sum(ph[p] for p in ("draft", "verify", "commit", "host")) / ours[name]["decode_ms_per_token"]
+        assert 2 <= round(tokens) <= 12  # 2 requests of at most 6 new tokens
+        assert sum(ph.values()) <= 1.001 * tokens / ours[name]["tokens_per_s"]  # within the pass's wall time
+    assert ours["ar"]["phases_s"]["catch_up"] == 0 and ours["ar"]["phases_s"]["draft"] < ours["ar"]["phases_s"]["verify"]
+    assert ours["stock"]["phases_s"]["draft"] > 0 and ours["stock"]["phases_s"]["catch_up"] > 0
 
 
 def test_bench_batched_json(tmp_path):
@@ -68,6 +79,7 @@ def test_bench_batched_json(tmp_path):
     names = ("ar", "ar+onednn", "stock", "batch-budget", "budget-onednn")
     assert {(r["batch_size"], r["name"]) for r in results} == {(b, n) for b in (1, 2) for n in names}
     assert all(r["mismatched_requests"] == 0 for r in results)
+    assert all(r["phases_s"]["prefill"] > 0 and r["decode_ms_per_token"] > 0 for r in results)
     for b in (1, 2):
         by = {r["name"]: r for r in results if r["batch_size"] == b}
         assert by["ar+onednn"]["mean_accepted_length"] is None and by["budget-onednn"]["mean_accepted_length"] > 0

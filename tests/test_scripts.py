@@ -1,4 +1,5 @@
-"""scripts/ stays part of the codebase: every script imports (its module-level code runs, its main does not),
+"""scripts/ stays part of the codebase: every Python script imports (its module-level code runs, its main does not),
+every shell script parses and every C tool compiles,
 none edits sys.path or imports a sibling script (shared helpers live in the package), and every one is cited
 where a reader would look for it (README.md, docs/RESULTS.md, workloads/README.md) and has its line in
 scripts/README.md."""
@@ -21,6 +22,21 @@ SYS_PATH_EDITS = {"insert", "append", "extend"}  # sys.path.NAME(...) calls that
 
 def test_there_are_scripts():
     assert len(SCRIPTS) > 10
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").glob("*.sh")), ids=lambda p: p.name)
+def test_a_shell_script_parses(path):
+    out = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "scripts").glob("*.c")), ids=lambda p: p.name)
+def test_a_c_tool_compiles_with_the_flags_its_header_gives(path):
+    flags = re.search(r"cc (-[^`]*?) scripts/", path.read_text())
+    assert flags, f"{path.name}: its header should give the cc command that builds it"
+    out = subprocess.run(["cc", "-fsyntax-only", *flags.group(1).split(), str(path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
 
 
 def test_every_script_imports_without_running():

@@ -58,6 +58,9 @@ class StepStats:
     catch_up_ms: float = 0.0  # the drafter fed what rows owed it before the step drafted (not in host_ms)
 
 
+PHASES = ("prefill", "catch_up", "draft", "verify", "commit", "host")  # where a step's time goes (StepStats)
+
+
 @dataclass
 class GenerateResult:
     tokens: list[list[int]]
@@ -67,6 +70,12 @@ class GenerateResult:
     @property
     def new_tokens(self) -> int:
         return sum(len(t) for t in self.tokens)
+
+    def phase_seconds(self) -> dict[str, float]:
+        """Seconds in each of PHASES over every step: the target's prompt prefill, the drafter's catch-up (prompts
+        it had not read, tokens emitted while it drafted nothing), drafting, verification, the caches' commit and
+        the host's share of the step. What `seconds` holds beyond their sum was spent outside the steps."""
+        return {p: sum(getattr(s, f"{p}_ms") for s in self.steps) / 1e3 for p in PHASES}
 
     def summary(self) -> dict:
         accepted = [a for s in self.steps for a in s.accepted]
