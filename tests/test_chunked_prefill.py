@@ -224,3 +224,12 @@ def test_a_node_cap_keeps_the_drafts_of_confident_rows():
     capped = policy.depths([0.9, 0.2, 0.6], node_cap=5)
     assert sum(capped) == 5 and capped[0] > capped[2] > capped[1] == 0
     assert policy.depths([0.9, 0.2, 0.6], node_cap=0) == [0, 0, 0]
+
+
+def test_a_drafter_keeps_no_prefix_cache_from_an_earlier_scheduler(q8):
+    """The engine keeps one drafter per recipe across schedulers: a scheduler without a prefix cache must not
+    find the drafter still reading an earlier scheduler's."""
+    with_cache = _scheduler(q8, True, prefix_cache_bytes=1 << 24)
+    assert with_cache.drafter.prefix is not None
+    without = _scheduler(q8, True)
+    assert without.drafter is with_cache.drafter and without.drafter.prefix is None

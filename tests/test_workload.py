@@ -57,12 +57,12 @@ def test_split_is_seeded_disjoint_and_covering():
 
 
 def test_shipped_workloads_load():
-    from specpilot.core.deployment import DEMO_WORKLOAD, ROOT
+    from specpilot.core.deployment import DEMO_WORKLOAD, WORKLOADS
 
     code = load(DEMO_WORKLOAD)
     assert len(code) >= 64
     assert all(not r.prompt.endswith("\n") for r in code)
-    chat = load(ROOT / "workloads" / "chat.jsonl")
+    chat = load(WORKLOADS / "chat.jsonl")
     assert all(r.chat for r in chat)
 
 

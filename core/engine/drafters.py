@@ -109,9 +109,9 @@ class Drafter(ABC):
         `active` (default: every row is) are left owing it. A drafter that owes nothing (prompt lookup) keeps
         this no-op."""
 
-    def reuse_prefixes(self, cache: PrefixCache) -> None:
+    def reuse_prefixes(self, cache: PrefixCache | None) -> None:
         """Keep the KV blocks of what rows were fed in `cache` and start rows from them, as the target does with
-        its own. A drafter without a KV cache (prompt lookup) has nothing to keep."""
+        its own (None: keep none). A drafter without a KV cache (prompt lookup) has nothing to keep."""
 
     @abstractmethod
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
@@ -181,7 +181,7 @@ class ModelDrafter(Drafter):
                         self.prefix.store(self.cache, row, owed[:-1])
                     self.pending[row] = owed[-1:]
 
-    def reuse_prefixes(self, cache: PrefixCache) -> None:
+    def reuse_prefixes(self, cache: PrefixCache | None) -> None:
         self.prefix = cache
 
     def move(self, src: int, dst: int) -> None:

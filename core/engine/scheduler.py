@@ -21,9 +21,10 @@ the running requests first and then chunks of waiting prompts up to the budget, 
 a long prompt is prefilled over several steps while the requests already decoding keep decoding. At most one
 prompt is part-way at a time, in the row after the running ones. Drafts share the budget: with a prompt waiting,
 the batching policy's depths are cut to what is left after every running row's own token and the block the
-prompt advances by, and go to the rows most likely to accept them. With a prefix cache (core/engine/prefix_cache.py)
-a prompt starts from the cached blocks it begins with. Under q8 both are exact: every position computes the
-same bits however its prompt was cut, so the tokens equal those of a prompt prefilled at once.
+prompt advances by, and go to the rows most likely to accept them. With a prefix cache
+(core/engine/prefix_cache.py) a prompt starts from the cached blocks it begins with. Under q8 both are exact:
+every position computes the same bits however its prompt was cut, so the tokens equal those of a prompt
+prefilled at once.
 
 The KV caches are lazy (core/engine/model.py): a row takes memory for the positions its request writes and
 gives it back when the request leaves. With a KV budget (`kv_cache_bytes`) each running request reserves its
@@ -223,12 +224,15 @@ class Scheduler:
         return self.running.ids
 
     def _prefix_caches(self, nbytes: int) -> PrefixCache | None:
-        """The target's prefix cache, and the drafter's, splitting `nbytes` by their KV bytes per token."""
+        """The target's prefix cache, and the drafter's, splitting `nbytes` by their KV bytes per token. A drafter
+        (which an engine keeps across schedulers) keeps none from an earlier scheduler."""
         if nbytes <= 0:
+            if self.drafter is not None:
+                self.drafter.reuse_prefixes(None)
             return None
         target, drafter = self._kv_per_token()
-        if drafter:
-            self.drafter.reuse_prefixes(PrefixCache(nbytes * drafter // (target + drafter)))
+        if self.drafter is not None:
+            self.drafter.reuse_prefixes(PrefixCache(nbytes * drafter // (target + drafter)) if drafter else None)
         return PrefixCache(nbytes * target // (target + drafter))
 
     def _kv_per_token(self) -> tuple[int, int]:
