@@ -37,6 +37,7 @@ class SystemResult:
     phases: dict[str, float] | None = None  # seconds per phase over every repeat (our systems; None: transformers)
 
     def add(self, phases: dict[str, float] | None) -> None:
+        """Count one request's seconds per phase (None: a system whose phases are not timed)."""
         if phases is not None:
             self.phases = {p: (self.phases or {}).get(p, 0.0) + phases[p] for p in PHASES}
 
