@@ -18,7 +18,7 @@ from tqdm import tqdm
 
 from specpilot.core.deployment import Deployment
 from specpilot.core.engine import Engine
-from specpilot.core.engine.decode import PHASES, sync
+from specpilot.core.engine.decode import DECODE_PHASES, PHASES, sync
 from specpilot.core.recipe import Recipe
 from specpilot.core.workload import Request, encode, load, split
 
@@ -64,7 +64,7 @@ def phase_fields(phases: dict[str, float] | None, repeats: int, tokens: int) -> 
     out); nothing for a system whose phases are not timed (transformers)."""
     if phases is None or repeats == 0 or tokens == 0:
         return {}
-    decode = sum(phases[p] for p in ("draft", "verify", "commit", "host"))
+    decode = sum(phases[p] for p in DECODE_PHASES)
     return {"phases_s": {p: v / repeats for p, v in phases.items()}, "decode_ms_per_token": 1e3 * decode / tokens}
 
 

@@ -49,4 +49,4 @@ def load(n: int | None = 16, split: str = "all", threads: int | None = 1, engine
 
 def decode_seconds(result: Any) -> float:
     """Seconds a generate result spent in its decode steps (draft, verify, commit, host), prompt excluded."""
-    return sum(s.draft_ms + s.verify_ms + s.commit_ms + s.host_ms for s in result.steps) / 1e3
+    return result.decode_seconds()

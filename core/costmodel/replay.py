@@ -25,10 +25,10 @@ import torch
 from specpilot.core.costmodel import trees
 from specpilot.core.engine import Engine
 from specpilot.core.engine.decode import Verification, cache_room
-from specpilot.core.engine.scheduler import generate
 from specpilot.core.engine.drafters import Drafter, DraftMode, ModelDrafter, NgramDrafter, TreeSpec
 from specpilot.core.engine.model import Transformer
 from specpilot.core.engine.sampling import seeded_scores
+from specpilot.core.engine.scheduler import generate
 from specpilot.core.engine.tree import chain_paths, static_prefixes
 from specpilot.core.recipe import Recipe
 

@@ -59,6 +59,7 @@ class StepStats:
 
 
 PHASES = ("prefill", "catch_up", "draft", "verify", "commit", "host")  # where a step's time goes (StepStats)
+DECODE_PHASES = PHASES[2:]  # a step's own work: its prompt chunks and the drafter's catch-up left out
 
 
 @dataclass
@@ -77,10 +78,13 @@ class GenerateResult:
         the host's share of the step. What `seconds` holds beyond their sum was spent outside the steps."""
         return {p: sum(getattr(s, f"{p}_ms") for s in self.steps) / 1e3 for p in PHASES}
 
+    def decode_seconds(self) -> float:
+        """Seconds in the steps' own work (DECODE_PHASES): the prompt's prefill and the drafter's catch-up left out."""
+        return sum(sum(getattr(s, f"{p}_ms") for p in DECODE_PHASES) for s in self.steps) / 1e3
+
     def summary(self) -> dict:
         accepted = [a for s in self.steps for a in s.accepted]
-        phases = {k: sum(getattr(s, k) for s in self.steps) for k in ("draft_ms", "verify_ms", "commit_ms", "host_ms",
-                                                                            "prefill_ms", "catch_up_ms")}
+        phases = {f"{p}_ms": sum(getattr(s, f"{p}_ms") for s in self.steps) for p in PHASES}
         return {
             "new_tokens": self.new_tokens,
             "seconds": self.seconds,
