@@ -11,7 +11,8 @@ time over its tokens after the first) at p50 and p99, and with `--reference` (gr
 `--make-reference`: transformers float32 on a checkpoint directory, or with `--reference-numerics q8` our own
 q8 plain decoding of a .gguf file), how many outputs differ. `--serve CMD` starts the server, waits for
 /v1/models, stops it (SIGTERM) after the run, and reports its peak RSS (VmHWM) after each level. Against
-`specpilot serve`, each level also reports what its steps drafted, accepted and prefilled and its prefix-cache
+`specpilot serve`, each level also reports what its steps drafted, accepted and prefilled, the rows they decoded
+and drafted for, the owed tokens the drafter was fed, the seconds of each phase of the steps and its prefix-cache
 hits, read from /metrics before and after the level.
 """
 from __future__ import annotations
@@ -106,10 +107,15 @@ def decode_rate(timings: list) -> float | None:
     return sum(t["predicted_n"] for t in timings) / (sum(t["predicted_ms"] for t in timings) / 1e3)
 
 
-# Server metrics whose change over a level is reported: what the steps drafted, accepted and prefilled.
+# Server metrics whose change over a level is reported: what the steps drafted, accepted and prefilled, the rows
+# they decoded and drafted for, the owed tokens the drafter was fed, and the seconds of each phase of the steps.
+PHASES = ("prefill", "catch_up", "draft", "verify", "commit", "host")
 METRICS = {"steps": "specpilot_step_draft_tokens_count", "drafted": "specpilot_step_draft_tokens_sum",
            "accepted": "specpilot_step_accepted_draft_tokens_sum", "prefilled": "specpilot_step_prefill_tokens_sum",
-           "prefix_queries": "specpilot_prefix_cache_queries_total", "prefix_hits": "specpilot_prefix_cache_hits_total"}
+           "prefix_queries": "specpilot_prefix_cache_queries_total", "prefix_hits": "specpilot_prefix_cache_hits_total",
+           "rows": "specpilot_step_rows_sum", "drafting_rows": "specpilot_step_drafting_rows_sum",
+           "caught_up": "specpilot_drafter_catch_up_tokens_total",
+           **{f"{p}_s": f'specpilot_step_seconds_total{{phase="{p}"}}' for p in PHASES}}
 
 
 def scrape(url: str) -> dict[str, float] | None:
@@ -233,8 +239,10 @@ def main() -> int:
                   + (f", decoding alone {res['decode_tok_per_s']:.2f} tok/s" if res["decode_tok_per_s"] else "")
                   + (f", {res['mismatches']} mismatched" if "mismatches" in res else "")
                   + (f", peak RSS {res['peak_rss_mb']:.0f} MB" if res["peak_rss_mb"] else "")
-                  + (", steps {steps:.0f} drafted {drafted:.0f} accepted {accepted:.0f} prefilled {prefilled:.0f} "
-                     "prefix hits {prefix_hits:.0f}/{prefix_queries:.0f}".format(**res["steps"])
+                  + (", steps {steps:.0f} (rows {rows:.0f}, drafting {drafting_rows:.0f}) drafted {drafted:.0f} "
+                     "accepted {accepted:.0f} prefilled {prefilled:.0f} caught up {caught_up:.0f} prefix hits "
+                     "{prefix_hits:.0f}/{prefix_queries:.0f}".format(**res["steps"])
+                     + ", seconds: " + " ".join(f"{p} {res['steps'][p + '_s']:.1f}" for p in PHASES)
                      if "steps" in res else ""), flush=True)
             if args.json:
                 with open(args.json, "a") as f:

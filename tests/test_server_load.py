@@ -4,7 +4,8 @@
   text, and every request accepted is counted finished (none is lost).
 - SmolLM2 in q8 with chunked prefill (16 tokens a step) and the prefix cache: chats that share their template
   and system prompt find its blocks, every text equals the engine's own q8 plain decoding, no step prefills
-  more than its budget, and once idle the caches hold nothing reserved and give their memory back (measured).
+  more than its budget, the steps' time is reported by phase with the tokens the drafter was fed, and once idle
+  the caches hold nothing reserved and give their memory back (measured).
 - A KV budget smaller than the context: the server says the context it can serve, a prompt of exactly that
   much is served and one token more gets a 400 saying how many fit; a budget that holds no request is a
   one-line error at start.
@@ -22,6 +23,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
+from specpilot.core.engine.decode import PHASES
 from serve_helpers import ROOT, Server, hf_greedy
 
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "import os\n\ndef list_files(path):",
@@ -99,6 +101,12 @@ def test_q8_chunked_prefill_and_prefix_cache_serve_q8_plain_decoding(smollm2_ggu
     assert _sample(m, "specpilot_prefix_cache_queries_total") == 2 * sum(len(i) - 1 for i in ids)
     steps = _sample(m, "specpilot_step_prefill_tokens_count")
     assert steps > 0 and _sample(m, "specpilot_step_prefill_tokens_bucket", le="16.0") == steps
+    # where the steps' time went, and what the drafter was fed: every prompt, once, before its row first drafted
+    seconds = {p: _sample(m, "specpilot_step_seconds_total", phase=p) for p in PHASES}
+    assert all(seconds[p] > 0 for p in ("prefill", "catch_up", "draft", "verify")), seconds
+    assert _sample(m, "specpilot_drafter_catch_up_tokens_total") >= 2 * sum(len(i) - 1 for i in ids)
+    rows, drafting = _sample(m, "specpilot_step_rows_sum"), _sample(m, "specpilot_step_drafting_rows_sum")
+    assert _sample(m, "specpilot_step_rows_count") == steps and 0 < drafting <= rows <= 2 * steps
     assert _sample(m, "specpilot_kv_cache_reserved_bytes") == 0
     budget = _sample(m, "specpilot_kv_cache_budget_bytes")
     assert 0 <= _sample(m, "specpilot_kv_cache_resident_bytes") < 0.01 * budget

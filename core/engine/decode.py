@@ -56,6 +56,8 @@ class StepStats:
     prefill_ms: float = 0.0  # prompt chunks prefilled in the same scheduler step (not in host_ms)
     prefilled: int = 0  # their tokens
     catch_up_ms: float = 0.0  # the drafter fed what rows owed it before the step drafted (not in host_ms)
+    caught_up: int = 0  # the owed tokens it fed
+    drafting: int = 0  # rows the step drafted for (the others decoded a token plainly)
 
 
 PHASES = ("prefill", "catch_up", "draft", "verify", "commit", "host")  # where a step's time goes (StepStats)

@@ -423,7 +423,7 @@ class Scheduler:
         rule = self.rule if all(v == self.ver for v in vers) else mixed_rule(vers)
         active = [True] * n if depths is None else [d > 0 for d in depths]  # a row drafted nothing owes on
         drafting = self.speculative and any(active)
-        catch_up_ms = self._catch_up(active) if drafting else 0.0
+        catch_up_ms, caught_up = self._catch_up(active) if drafting else (0.0, 0)
         t1 = time.perf_counter()
         trees = self._draft(depths, active, req_ids) if drafting else [DraftTree.root(r) for r in rows.roots]
         sync(dev)
@@ -446,7 +446,7 @@ class Scheduler:
         host_ms = (t1 - t0 + t5 - t4) * 1e3 - prefill_ms - catch_up_ms
         self._record(StepStats((t2 - t1) * 1e3, (t3 - t2) * 1e3, (t4 - t3) * 1e3, host_ms,
                                sum(len(t) for t in trees), [len(e) for e in emitted], prefill_ms, prefilled,
-                               catch_up_ms))
+                               catch_up_ms, caught_up, sum(len(t) > 1 for t in trees)))
         return events
 
     def _draft(self, depths: list[int] | None, active: list[bool], req_ids: torch.Tensor) -> list[DraftTree]:
@@ -482,10 +482,10 @@ class Scheduler:
             self._free(b)
         return events
 
-    def _catch_up(self, active: list[bool]) -> float:
+    def _catch_up(self, active: list[bool]) -> tuple[float, int]:
         """Feed the drafter what the `active` rows owe it, and report the owed tokens fed and the time taken to
         the policy, whose price for a catch-up it corrects (not in the step's time, which `observe` learns
-        from: see Policy.observe). Returns the ms it took."""
+        from: see Policy.observe). Returns the ms it took and the owed tokens it fed."""
         rows = range(len(self.running))
         owed = sum(self.drafter.owed(b) for b in rows)
         if owed:
@@ -498,7 +498,7 @@ class Scheduler:
         ms = (time.perf_counter() - t0) * 1e3
         if fed > 0:
             self.policy.observe_catch_up(fed, ms)
-        return ms
+        return ms, max(fed, 0)
 
     def _record(self, stats: StepStats) -> None:
         if self.on_step is not None:

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Callable
 
-from specpilot.core.engine.decode import GenerationError, StepStats
+from specpilot.core.engine.decode import PHASES, GenerationError, StepStats
 from specpilot.core.engine.scheduler import Event, Scheduler
 from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job
@@ -160,6 +160,11 @@ class EngineLoop:
         self.metrics.step_drafted.observe(stats.nodes - len(stats.accepted))
         self.metrics.step_accepted.observe(sum(stats.accepted) - len(stats.accepted))
         self.metrics.step_prefilled.observe(stats.prefilled)
+        self.metrics.step_rows.observe(len(stats.accepted))
+        self.metrics.step_drafting.observe(stats.drafting)
+        for phase in PHASES:
+            self.metrics.step_seconds.labels(phase).inc(getattr(stats, f"{phase}_ms") / 1e3)
+        self.metrics.catch_up_tokens.inc(stats.caught_up)
 
     def _resident(self) -> float:
         """The caches' measured memory, read when /metrics is scraped (the caches' mappings only, never resized)."""

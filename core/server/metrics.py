@@ -4,13 +4,16 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from specpilot.core.engine.decode import PHASES
+
 LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
 class Metrics:
     """Requests by endpoint and status, token counts, accepted tokens per step, latency histograms, what each
-    step drafted, accepted and prefilled, the prefix cache's lookups and hits, the KV budget and what it holds,
-    and the queue's depth and the rows in flight."""
+    step drafted, accepted and prefilled, its rows and those it drafted for, where the steps' time went (by
+    phase, the drafter's catch-up and the owed tokens it fed included), the prefix cache's lookups and hits, the
+    KV budget and what it holds, and the queue's depth and the rows in flight."""
 
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -37,6 +40,17 @@ class Metrics:
         self.step_prefilled = Histogram("specpilot_step_prefill_tokens",
                                         "prompt tokens one step prefilled (chunks of waiting prompts)",
                                         buckets=steps, registry=r)
+        rows = (0, 1, 2, 4, 8, 12, 16, 24, 32, 64)
+        self.step_rows = Histogram("specpilot_step_rows", "rows one step decoded", buckets=rows, registry=r)
+        self.step_drafting = Histogram("specpilot_step_drafting_rows", "rows one step drafted for", buckets=rows,
+                                       registry=r)
+        self.step_seconds = Counter("specpilot_step_seconds", "seconds the engine's steps spent, by phase "
+                                    "(core/engine/decode.py PHASES)", ["phase"], registry=r)
+        for phase in PHASES:
+            self.step_seconds.labels(phase)
+        self.catch_up_tokens = Counter("specpilot_drafter_catch_up_tokens", "owed tokens fed to the drafter before "
+                                       "steps that drafted (prompts it had not read, tokens emitted while it drafted "
+                                       "nothing)", registry=r)
         self.prefix_queries = Counter("specpilot_prefix_cache_queries", "prompt tokens looked up in the prefix cache",
                                       registry=r)
         self.prefix_hits = Counter("specpilot_prefix_cache_hits", "prompt tokens found in the prefix cache (the hit "
