@@ -99,6 +99,24 @@ def test_the_hybrid_template_runs_losslessly_on_the_demo_pair(demo):
     assert 0 < len(used) < len(steps)  # some steps looked up, some drafted with the model
 
 
+def test_the_hybrid_template_serves_under_a_kv_budget_and_a_prefix_cache(demo):
+    """A server's scheduler reserves the hybrid's drafter cache (its model's) and splits the prefix cache with it;
+    the output is still plain decoding's."""
+    from specpilot.core.engine.scheduler import drive
+
+    engine, prompts = demo
+    importlib.import_module("specpilot.core.agents.local.templates.hybrid")
+    recipe = Recipe.from_dict({"draft": {"method": "plugin:hybrid"}, "tree": {"depth": 6}})
+    plain = engine.generate(prompts, 16, recipe, speculative=False).tokens
+    sched = engine.scheduler(recipe, 2, 256, kv_cache_bytes=64 * 2**20, prefix_cache_bytes=8 * 2**20)
+    model = engine.drafter_for(recipe).kv_model
+    assert model is engine.models_for(recipe)[1]
+    per_token = engine.target.kv_bytes_per_token() + model.kv_bytes_per_token()
+    assert sched.reservation(100) - sched.reservation(0) == 100 * per_token
+    assert drive(sched, prompts * 2, [16] * 4).tokens == plain * 2
+    assert sched.drafter.model.prefix is not None and sched.prefix.stats.hits > 0
+
+
 def test_drafter_keys_are_what_cost_tools_name():
     for name in ("model", "ngram", "early_exit:1", "early_exit:12"):
         assert str(DrafterKey.parse(name)) == name

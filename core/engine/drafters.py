@@ -113,6 +113,12 @@ class Drafter(ABC):
         """Keep the KV blocks of what rows were fed in `cache` and start rows from them, as the target does with
         its own (None: keep none). A drafter without a KV cache (prompt lookup) has nothing to keep."""
 
+    @property
+    def kv_model(self) -> Transformer | None:
+        """The model whose KV cache this drafter keeps per row (None: it keeps none, as prompt lookup): what a
+        KV budget reserves room for beside the target's, and what a prefix cache's bytes are split with."""
+        return None
+
     @abstractmethod
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
         """One tree per row in the shape of `spec`, picked as `mode` says; rows not `active` get their root."""
@@ -183,6 +189,10 @@ class ModelDrafter(Drafter):
 
     def reuse_prefixes(self, cache: PrefixCache | None) -> None:
         self.prefix = cache
+
+    @property
+    def kv_model(self) -> Transformer:
+        return self.model
 
     def move(self, src: int, dst: int) -> None:
         self.cache.move_row(src, dst)

@@ -237,7 +237,7 @@ class Scheduler:
 
     def _kv_per_token(self) -> tuple[int, int]:
         """KV bytes per position in the target's cache and in the drafter's (0 for a drafter without one)."""
-        model = getattr(self.drafter, "model", None)
+        model = None if self.drafter is None else self.drafter.kv_model
         return self.target.kv_bytes_per_token(), 0 if model is None else model.kv_bytes_per_token()
 
     def _extra(self) -> int:
@@ -246,7 +246,7 @@ class Scheduler:
         target, drafter = self._kv_per_token()
         slabs = 2 * mmap.PAGESIZE * (self.target.num_layers * self.target.cfg.num_kv_heads)
         if drafter:
-            model = self.drafter.model
+            model = self.drafter.kv_model
             slabs += 2 * mmap.PAGESIZE * model.num_layers * model.cfg.num_kv_heads
         return self._room * target + self._drafter_extra * drafter + slabs
 

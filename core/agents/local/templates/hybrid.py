@@ -26,6 +26,18 @@ class Hybrid(Drafter):
         self.ngram.open(max_batch, max_len)
         self.model.open(max_batch, max_len)
 
+    @property
+    def kv_model(self) -> Any:
+        return self.model.kv_model
+
+    @property
+    def cache(self) -> Any:
+        """The model's KV cache (what a server reports as resident beside the target's)."""
+        return self.model.cache
+
+    def reuse_prefixes(self, cache: Any) -> None:
+        self.model.reuse_prefixes(cache)
+
     def admit(self, prompt: list[int]) -> int:
         self.ngram.admit(prompt)
         return self.model.admit(prompt)
