@@ -160,6 +160,22 @@ def test_the_drafter_copy_is_budgeted_before_it_is_built(tiny_pair):
     assert engine.packed_bytes(Recipe()) == 0
 
 
+def test_plain_decoding_on_a_recipe_builds_no_drafter_copy(tiny_pair):
+    """A server decoding plainly on a q4-drafter recipe's target (`ar+...`) must not build the drafter's 4-bit
+    copy (reading its float32 weights to do it): only speculation does."""
+    target_dir, drafter_dir, _ = tiny_pair
+    engine = Engine.load(target_dir, drafter_dir)
+    q4 = Recipe.from_dict({"weights": {"drafter_format": "q4"}})
+    before = engine.packed_bytes(q4)
+    assert before > 0
+    engine.target_for(q4)
+    engine.scheduler(q4, 2, speculative=False)
+    engine.generate([[1, 2, 3]], 4, q4, speculative=False)
+    assert engine.packed_bytes(q4) == before  # still to be built
+    engine.models_for(q4)
+    assert engine.packed_bytes(q4) == 0
+
+
 def test_smollm2_with_a_q4_copy_of_itself_as_drafter_is_lossless(smollm2_dir, one_thread):
     """A real model: SmolLM2 drafting for itself from 4-bit blocks still gives transformers' float32 greedy
     output, the target on its GGUF blocks."""

@@ -393,7 +393,7 @@ def backend_targets(engine: Engine, recipe: Recipe) -> dict[str, Transformer]:
         if key != mine and avail is not None and engine.packed_bytes(variant) > avail / 4:
             continue
         try:
-            targets[key], _ = engine.models_for(variant)
+            targets[key] = engine.target_for(variant)
         except ModelLoadError:
             if key == mine:
                 raise
@@ -413,7 +413,7 @@ def profile(engine: Engine, recipe: Recipe, prompts: list[list[int]], limits: li
             run: RunStats | None = None, request_ids: list[int] | None = None, repeats: int = 7) -> Profile:
     """Profile `recipe` on the requests (timing them unless `run` is given) and measure the cost curves."""
     run = run or timed_run(engine, recipe, prompts, limits, request_ids)
-    target, _ = engine.models_for(recipe)
+    target = engine.target_for(recipe)
     if weight_bytes(engine.target) > BIG_MODEL_BYTES:
         repeats = min(repeats, 3)  # each forward is tens of ms or more: 3 medians suffice, 7 cost minutes
     steps = run.steps

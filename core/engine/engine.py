@@ -131,8 +131,16 @@ class Engine:
         once, cached). The linear backend is the deployment's runtime, so the drafter runs on it too: a
         small drafter's forward is mostly per-op overhead, which the fused layer removes (8x on the demo
         drafter), and the drafter only proposes, so its backend never changes the output."""
+        return self._models_for(recipe, True)
+
+    def target_for(self, recipe: Recipe) -> Transformer:
+        """The recipe's target alone (models_for's first): plain decoding on a recipe's target must not pay
+        for the drafter's copies (a 4-bit drafter is built by reading its float32 weights)."""
+        return self._models_for(recipe, False)[0]
+
+    def _models_for(self, recipe: Recipe, with_drafter: bool) -> tuple[Transformer, Transformer | None]:
         check_recipe(recipe)
-        target, drafter = self.target, self.drafter_model
+        target, drafter = self.target, self.drafter_model if with_drafter else None
         fmt, backend = recipe.weights.format, recipe.runtime.linear
         numerics_.check_recipe(self.numerics, fmt, backend)
         self._budget(recipe)
@@ -227,7 +235,7 @@ class Engine:
                  request_ids: list[int] | None = None, speculative: bool = True) -> GenerateResult:
         """Run `recipe` (default stock) on a batch; speculative=False is plain autoregressive decoding."""
         recipe = recipe or stock(self.drafter_model is not None)
-        target, _ = self.models_for(recipe)
+        target = self.target_for(recipe)
         ver = Verification.of(recipe.verify, speculative)
         if not speculative:
             return generate(target, None, prompts, max_new_tokens, None, ver, request_ids)
@@ -282,7 +290,7 @@ class Engine:
               table: CostTable | None = None, request_ids: list[int] | None = None,
               speculative: bool = True) -> GenerateResult:
         """Continuous batching of a fixed list of requests through `scheduler` (see there for the arguments)."""
-        target = self.target if recipe is None else self.models_for(recipe)[0]
+        target = self.target if recipe is None else self.target_for(recipe)
         check_fits(target, prompts, limits)
         sched = self.scheduler(recipe, max_batch, max(len(p) + n for p, n in zip(prompts, limits)), table,
                                speculative)
@@ -296,7 +304,7 @@ class Engine:
         steps. Batching policies price steps with `table`, by default the recipe's own measured cost table.
         `serving` passes the token budget, prefix cache and KV budget options on to the Scheduler."""
         if recipe is None or not speculative:
-            target = self.target if recipe is None else self.models_for(recipe)[0]
+            target = self.target if recipe is None else self.target_for(recipe)
             return Scheduler(target, None, None, max_batch=max_batch, max_len=max_len, **serving)
         target, _ = self.models_for(recipe)
         b = recipe.batching

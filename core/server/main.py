@@ -64,7 +64,7 @@ def build(args: argparse.Namespace):
     recipe, speculative = serving_recipe(args.recipe, deployment, args.db)
     engine = Engine.load(deployment.target, deployment.drafter, deployment.dtype, deployment.device,
                          deployment.numerics)
-    target = engine.target if recipe is None else engine.models_for(recipe)[0]
+    target = engine.target if recipe is None else engine.target_for(recipe)
     ctx = target.cfg.max_position_embeddings
     context = min(args.max_model_len or min(ctx, 4096), ctx)
     rows = args.max_batch
