@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specpilot.kernels.reference.gguf_ref import FORMATS, QK_K, UnsupportedBlockType, f16_values, nibbles, as_raw, \
+from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, f16_values, nibbles, as_raw, \
     q4_k_scales, qtype_id
 
 QA = 256  # activation block: values per scale
