@@ -563,3 +563,15 @@ def test_the_scheduler_tells_the_policy_what_rows_owe(setup, monkeypatch):
         assert out.tokens == reference
         assert (counting.calls > 0) == drafts, price
         monkeypatch.undo()
+
+
+def test_a_ragged_target_drafts_for_few_rows_where_a_padded_one_would_not():
+    """One of four rows drafting: on a padded target the step costs as if all drafted, on a ragged one (q8, or
+    the fused f32 backend) only that row's tokens, so drafting for it alone pays there."""
+    from specpilot.core.engine.batching import best_uniform_depth, step_price
+
+    table = CostTable({(4, 1): 100.0, (4, 2): 150.0, (4, 3): 200.0})
+    assert step_price(table, 4, 2, drafting=1, ragged=True) == pytest.approx(125.0)
+    assert step_price(table, 4, 2, drafting=1) == step_price(table, 4, 2) == 200.0
+    assert best_uniform_depth(table, 4, 0.9, max_depth=2, drafting=1) == 0
+    assert best_uniform_depth(table, 4, 0.9, max_depth=2, drafting=1, ragged=True) == 2

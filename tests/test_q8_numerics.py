@@ -175,6 +175,64 @@ def test_a_rows_logits_do_not_depend_on_what_shares_its_pass(q8):
     assert torch.equal(two, full)
 
 
+def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, monkeypatch):
+    """Rows with fewer real tokens than the step is wide (verify's `sizes`): the q8 target multiplies the real
+    ones alone, and their logits and cache slots are the padded step's bit for bit; the padding's logits are
+    zeros."""
+    m = q8.target
+    assert m.ragged
+    tokens = _long_context(q8, 300)
+    starts = [100, 250, 40]
+    step = torch.tensor([tokens[s:s + 3] for s in starts])
+    widths = []
+    real_linear = m.lm_head
+    monkeypatch.setattr(m, "lm_head", lambda x: widths.append(x.shape[0]) or real_linear(x))
+
+    def run(sizes):
+        cache = m.new_cache(3, 400)
+        for row, s in enumerate(starts):
+            m.prefill_row(cache, row, tokens[:s])
+        out = m.step(step, cache, cache.lengths.clone(), torch.arange(3).expand(3, 3),
+                     torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(3, 3, 3), sizes=sizes)
+        return out, cache
+
+    padded, padded_cache = run(None)
+    widths.clear()
+    sizes = [3, 1, 2]
+    ragged, ragged_cache = run(sizes)
+    assert widths == [sum(sizes)]  # the LM head saw the real tokens alone
+    for row, n in enumerate(sizes):
+        assert torch.equal(ragged[row, :n], padded[row, :n])
+        assert not ragged[row, n:].any()
+        at = starts[row]
+        assert torch.equal(ragged_cache.k[:, row, :, :at + n], padded_cache.k[:, row, :, :at + n])
+        assert torch.equal(ragged_cache.v[:, row, :, :at + n], padded_cache.v[:, row, :, :at + n])
+
+
+def test_served_steps_of_mixed_depths_equal_q8_plain_decoding(q8, ar):
+    """A policy drafting for some rows only (allocate with 2 draft tokens a step over 3 rows), on the ragged q8
+    target: every output is still q8 plain decoding's."""
+    from specpilot.core.engine.batching import CostTable
+
+    table = CostTable({(r, t): 10.0 * r + 2.0 * r * t for r in (1, 2, 3) for t in range(1, 10)},
+                      {r: 1.0 for r in (1, 2, 3)}, catch_up=0.5)
+    recipe = presets()["stock-gguf-q4"].replace(batching={"policy": "allocate", "node_budget": 2})
+    sched = q8.scheduler(recipe, 3, table=table)
+    seen: list[list[int]] = []
+    real = sched.policy.depths
+
+    def depths(*args, **kwargs):
+        out = real(*args, **kwargs)
+        seen.append(list(out or []))
+        return out
+
+    sched.policy.depths = depths
+    from specpilot.core.engine.scheduler import drive
+
+    assert drive(sched, PROMPTS, [NEW] * len(PROMPTS)).tokens == ar
+    assert any(0 < max(d) and min(d) == 0 for d in seen if d), seen  # some steps drafted for some rows only
+
+
 @pytest.mark.parametrize("name", sorted(presets()))
 def test_every_built_in_recipe_equals_q8_plain_decoding(q8, ar, name):
     recipe = presets()[name]

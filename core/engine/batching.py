@@ -10,9 +10,11 @@ name) decide each row's draft depth per step:
             bounded cost; no probe where even the best acceptance would not draft);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
-On a `ragged` target (runtime.linear = "fused") verification computes only each row's real tree tokens, so
-a step of per-row depths d costs the table's forward at the mean tokens per row, not at the deepest row's;
-that is what lets allocate and cap give confident rows deeper drafts without every row paying for them.
+On a `ragged` target (runtime.linear = "fused", or any target under the q8 numerics, whose products of a token
+do not depend on the rest of the pass) verification computes only each row's real tree tokens, so a step of
+per-row depths d costs the table's forward at the mean tokens per row, not at the deepest row's; that is what
+lets allocate and cap give confident rows deeper drafts, and the budget policy draft for some rows only,
+without every row paying for them.
 A step's price is the table's forward and draft cost plus what real steps of that batch size and depth
 cost beyond it (verification around the forward, commit, bookkeeping, a cache that is not warm), which
 the policy measures as the run goes; a depth not yet tried is priced with the nearest one measured. Every
@@ -212,23 +214,28 @@ def expected_accepted(alpha: float, depth: int) -> float:
     return sum(alpha ** k for k in range(depth + 1))
 
 
-def step_price(table: CostTable, rows: int, depth: int, overhead_ms: dict[int, float] | None = None) -> float:
-    """ms of a step of `rows` drafting chains of `depth`: the table's forward and drafting, plus `overhead_ms`
-    (depth -> what a step of it costs besides them; the nearest measured depth if absent)."""
+def step_price(table: CostTable, rows: int, depth: int, overhead_ms: dict[int, float] | None = None,
+               drafting: int | None = None, ragged: bool = False) -> float:
+    """ms of a step of `rows` whose `drafting` rows (default all) draft chains of `depth` and the others decode
+    plainly: the table's forward (CostTable.step_ms: as wide as the deepest row, or on a `ragged` target the
+    rows' real tokens alone) and drafting, plus `overhead_ms` (depth -> what a step of it costs besides them;
+    the nearest measured depth if absent)."""
     seen = overhead_ms or {}
     extra = seen[min(seen, key=lambda k: (abs(k - depth), k))] if seen else 0.0
-    return table.verify_ms(rows, depth + 1) + depth * table.draft.get(rows, 0.0) + extra
+    m = rows if drafting is None else drafting
+    return table.step_ms([depth] * m + [0] * (rows - m), ragged) + depth * table.draft.get(rows, 0.0) + extra
 
 
 def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
                        overhead_ms: dict[int, float] | None = None, owed_ms: float = 0.0,
-                       drafting: int | None = None) -> int:
+                       drafting: int | None = None, ragged: bool = False) -> int:
     """Depth maximising tokens per ms at this batch size (0 = plain decoding); `overhead_ms` maps a depth
     to what a step of it costs besides the table's forward and drafting (nearest measured depth if absent).
     `owed_ms` is the drafting rows' catch-up per token each has left, summed (Policy.owed_ms): a step of depth
     d > 0 pays expected_accepted(alpha, d) times it, the catch-up spread over those rows' remaining tokens.
     `drafting` rows of the `rows` draft (default all); the others decode plainly, a token per step, in the
-    same forward. A depth that promises less than MIN_GAIN over plain decoding gives 0.
+    same forward, which on a `ragged` target computes only their one token each (step_price). A depth that
+    promises less than MIN_GAIN over plain decoding gives 0.
     """
     m = rows if drafting is None else drafting
     if m <= 0:
@@ -236,7 +243,7 @@ def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int
 
     def rate(d: int) -> float:
         gained = expected_accepted(alpha, d)
-        cost = step_price(table, rows, d, overhead_ms) + (gained * owed_ms if d else 0.0)
+        cost = step_price(table, rows, d, overhead_ms, m, ragged) + (gained * owed_ms if d else 0.0)
         if m < rows:
             gained = (m * gained + rows - m) / rows
         return gained / cost
@@ -356,7 +363,7 @@ class Policy:
         alpha = sum(a for a, w in zip(alphas, worth) if w) / m
         owed = sum(o for o, w in zip(self.owed_ms(n), worth) if w)
         return worth, best_uniform_depth(self.table, n, alpha, overhead_ms=self.overhead_ms.get(n), owed_ms=owed,
-                                         drafting=m)
+                                         drafting=m, ragged=self.ragged)
 
     def catch_up_price(self) -> float:
         """ms per token a row owes the drafter: what the scheduler's catch-ups took (observe_catch_up), or

@@ -335,20 +335,30 @@ class Transformer:
             return F.rms_norm(x, (x.shape[-1],), weight, self.cfg.rms_norm_eps)
         return weight * F.rms_norm(x.float(), (x.shape[-1],), None, self.cfg.rms_norm_eps).to(x.dtype)
 
-    def forward(self, step: StepInputs, cache: KVCache, logits_at: torch.Tensor | None = None) -> torch.Tensor | None:
+    def forward(self, step: StepInputs, cache: KVCache, logits_at: torch.Tensor | None = None,
+                real: torch.Tensor | None = None) -> torch.Tensor | None:
         """Run all layers on the step's tokens, write their K/V, return logits [B, T', V] or None.
 
         `logits_at` ([B, T'] indices into the step) picks the positions whose logits are needed; by
-        default all of them.
+        default all of them. `real` ([B, T] bool) marks the tokens the projections and LM head compute; the
+        others are padding, whose projections are zeros (a `ragged` model's: its products of a token do not
+        depend on the other tokens in the pass, so the real ones keep their bits).
         """
         c = self.cfg
         B, T = step.tokens.shape
         H, Hkv, D = c.num_heads, c.num_kv_heads, c.head_dim
+
+        def project(linear: Linear, h: torch.Tensor) -> torch.Tensor:
+            if real is None:
+                return linear(h)
+            y = linear(h[real])
+            return y.new_zeros(B, T, y.shape[-1]).index_put_((real,), y)
+
         x = F.embedding(step.tokens, self.embed)
         span = step.span
         for i, layer in enumerate(self.layers):
             h = self._norm(x, layer.attn_norm)
-            qkv = layer.qkv(h).view(B, T, H + 2 * Hkv, D)
+            qkv = project(layer.qkv, h).view(B, T, H + 2 * Hkv, D)
             qk, v = qkv[:, :, : H + Hkv], qkv[:, :, H + Hkv:]
             if layer.q_norm is not None:
                 qk = torch.cat([self._norm(qk[:, :, :H], layer.q_norm), self._norm(qk[:, :, H:], layer.k_norm)], 2)
@@ -360,14 +370,15 @@ class Transformer:
             cache.v[i].scatter_(2, step.write_index, v.transpose(1, 2))
             keys, values = cache.k[i][:, :, :span], cache.v[i][:, :, :span]
             attn = self.attention(q, keys, values, step)
-            x = x + layer.o(attn.transpose(1, 2).reshape(B, T, H * D))
-            gate, up = layer.gate_up(self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
-            x = x + layer.down(self.silu_mul(gate, up))
+            x = x + project(layer.o, attn.transpose(1, 2).reshape(B, T, H * D))
+            gate, up = project(layer.gate_up, self._norm(x, layer.mlp_norm)).chunk(2, dim=-1)
+            x = x + project(layer.down, self.silu_mul(gate, up))
         if logits_at is not None:
             if logits_at.numel() == 0:
                 return None
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self._norm(x, self.norm))
+            return self.lm_head(self._norm(x, self.norm))
+        return project(self.lm_head, self._norm(x, self.norm))
 
     def prefill_row(self, cache: KVCache, row: int, tokens: list[int]) -> None:
         """Write `tokens` into row `row` from slot 0 (other rows untouched) and set its length."""
@@ -391,7 +402,12 @@ class Transformer:
         """Forward `tokens` [B, T] against the cache; see StepInputs for the placement rules.
 
         `ancestors` may be None only when every slot below base + offset + T is visible to every query
-        (batch 1, one token). `sizes` (real tokens per row, the rest padding) lets a `ragged` model skip the
-        padding; this torch path computes it.
+        (batch 1, one token). `sizes` (real tokens per row, each a prefix of its T, the rest padding) lets a
+        `ragged` model skip the padding: its projections and LM head multiply the real tokens alone, and the
+        padding's logits are zeros.
         """
-        return self.forward(StepInputs(self, tokens, base, depths, ancestors, offset), cache, logits_at)
+        B, T = tokens.shape
+        real = None
+        if self.ragged and sizes is not None and sum(sizes) < B * T:
+            real = torch.arange(T, device=tokens.device)[None, :] < torch.tensor(sizes, device=tokens.device)[:, None]
+        return self.forward(StepInputs(self, tokens, base, depths, ancestors, offset), cache, logits_at, real)

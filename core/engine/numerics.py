@@ -95,6 +95,7 @@ def q8_transformer(model: Transformer, path: str) -> Transformer:
         raise NumericsError(f"numerics q8 cannot run here: {exc}; use --numerics f32") from None
     copy = on_blocks(model, path, Q8Matrix, q8_shared_input)
     copy.numerics = "q8"
+    copy.ragged = True  # a token's products and attention do not depend on what else the pass holds: padding is skipped
     copy.attention = q8_attend
     copy.silu_mul = attention.silu_mul
     return copy
