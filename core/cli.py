@@ -521,9 +521,54 @@ def add_fetch(sub) -> None:
     p.set_defaults(func=cmd_fetch)
 
 
+def cmd_costs(args: argparse.Namespace) -> int:
+    from specpilot.core.engine import cost_store
+    from specpilot.core.engine.batching import break_even
+    from specpilot.core.engine.gguf_checkpoint import source
+
+    depths = (1, 2, 4)
+    tables = cost_store.kept()
+    if args.json:
+        print(json.dumps([{"file": str(path), "identity": ident, "table": table.to_dict(),
+                           "break_even": {str(r): {str(d): break_even(table, r, d) for d in depths}
+                                          for r in sorted({r for r, _ in table.verify})}}
+                          for path, ident, table in tables], indent=1))
+        return 0
+    if not tables:
+        print(f"no step costs kept in {cost_store.costs_dir()}: `specpilot serve` with a batching policy measures them")
+        return 0
+
+    def named(where: str | None) -> str:
+        info = source(where) if where else None
+        return Path(info["gguf"] if info else where).name if where else "none"
+
+    for path, ident, table in tables:
+        fmt, _, drafter_format, linear, method, _ = ident["recipe"]
+        print(f"{path.name}: {named(ident['target'])} + {named(ident['drafter'])}, numerics {ident['numerics']}, "
+              f"{fmt} weights, drafter {method} ({drafter_format}), {linear} linears, {ident['threads']} thread(s), "
+              f"{ident['cpu']}")
+        print(f"  {'rows':>4} {'plain ms/token':>14} {'2 tokens/1':>10} {'draft ms':>8}  "
+              + "  ".join(f"{'alpha at d=' + str(d):>11}" for d in depths))
+        for rows in sorted({r for r, _ in table.verify}):
+            one = table.verify_ms(rows, 1)
+            alphas = [break_even(table, rows, d) for d in depths]
+            print(f"  {rows:>4} {one / rows:>14.1f} {table.verify_ms(rows, 2) / one:>10.2f} "
+                  f"{table.draft.get(rows, 0.0):>8.1f}  " + "  ".join(
+                      f"{'never' if a is None else f'{a:.2f}':>11}" for a in alphas))
+    print("alpha at d: the per-token acceptance from which every row drafting a chain of d gives as many tokens per ms "
+          "as plain decoding, at these prices (catch-up and overhead left out); never: not even alpha = 1")
+    return 0
+
+
+def add_costs(sub) -> None:
+    p = sub.add_parser("costs", help="kept step costs: where speculation can pay, by batch size")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(func=cmd_costs)
+
+
 # every command, in the order `specpilot --help` lists them
 COMMANDS = (add_bench, add_run, add_runs, add_show, add_export, add_serve, add_train_demo, add_profile, add_verify,
-            add_fetch)
+            add_fetch, add_costs)
 
 
 def build_parser() -> argparse.ArgumentParser:

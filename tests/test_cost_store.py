@@ -104,3 +104,47 @@ def test_serve_reads_its_kept_costs_on_the_second_start_and_remeasures_when_aske
     assert f"step costs for batching policy 'budget': measured now, kept in {kept}" in logs[0], logs[0]
     assert f"step costs for batching policy 'budget': {kept}" in logs[1], logs[1]
     assert "measured now, kept in" in logs[2], logs[2]
+
+
+def test_break_even_is_where_drafting_matches_plain_decoding():
+    """The acceptance break_even gives makes a drafting step's tokens per ms equal plain decoding's; a width whose
+    two-token step costs more than twice one token's has none."""
+    from specpilot.core.engine.batching import break_even, expected_accepted, step_price
+
+    table = CostTable({(1, 1): 100.0, (1, 2): 110.0, (1, 3): 120.0, (16, 1): 260.0, (16, 2): 390.0, (16, 3): 540.0},
+                      {1: 30.0, 16: 200.0})
+    for rows, depth in ((1, 1), (1, 2), (16, 2)):
+        alpha = break_even(table, rows, depth)
+        if alpha is None:
+            assert step_price(table, rows, depth) > (depth + 1) * step_price(table, rows, 0)
+            continue
+        assert 0 < alpha < 1
+        drafting = expected_accepted(alpha, depth) / step_price(table, rows, depth)
+        assert drafting == pytest.approx(1 / step_price(table, rows, 0), rel=1e-6)
+    assert break_even(table, 1, 1) == pytest.approx((110 + 30) / 100 - 1, rel=1e-6)
+    assert break_even(table, 16, 1) is None  # (390 + 200) / 260 > 2: not even every draft accepted pays
+
+
+def test_costs_lists_the_kept_tables_and_where_speculation_can_pay(monkeypatch, tmp_path, capsys):
+    from specpilot.core.cli import main
+    from specpilot.core.engine.batching import break_even
+
+    monkeypatch.setenv("SPECPILOT_COSTS_DIR", str(tmp_path))
+    assert main(["costs"]) == 0
+    assert "no step costs kept" in capsys.readouterr().out
+    table = CostTable({(1, 1): 100.0, (1, 2): 110.0, (4, 1): 150.0, (4, 2): 200.0}, {1: 30.0, 4: 60.0},
+                      catch_up=2.0)
+    identity = {"target": str(tmp_path / "t"), "drafter": None, "numerics": "q8", "dtype": "torch.float32",
+                "device": "cpu", "recipe": ["gguf", True, "q4", "native", "model", 0], "cpu": "a CPU", "threads": 1,
+                "torch": "x"}
+    path = cost_store.save(identity, table)
+    (tmp_path / "broken.json").write_text("{")
+    assert main(["costs"]) == 0
+    out = capsys.readouterr().out
+    assert path.name in out and "numerics q8" in out and "a CPU" in out and "broken" not in out
+    row = next(line.split() for line in out.splitlines() if line.split()[:1] == ["4"])
+    assert row[1:4] == ["37.5", "1.33", "60.0"] and row[4] == f"{break_even(table, 4, 1):.2f}"
+    assert main(["costs", "--json"]) == 0
+    kept = json.loads(capsys.readouterr().out)
+    assert len(kept) == 1 and kept[0]["break_even"]["1"]["1"] == pytest.approx(0.4)
+

@@ -251,6 +251,21 @@ def best_uniform_depth(table: CostTable, rows: int, alpha: float, max_depth: int
     return best if best == 0 or rate(best) >= (1 + MIN_GAIN) * rate(0) else 0
 
 
+def break_even(table: CostTable, rows: int, depth: int) -> float | None:
+    """The per-token acceptance from which `rows` rows, every one drafting a chain of `depth`, give as many tokens
+    per ms as plain decoding at the table's prices alone (the drafter's catch-up and a step's overhead left out):
+    the alpha where expected_accepted(alpha, depth) equals the step's price over a plain step's. None where even
+    alpha = 1 would not: no drafter of this cost pays at that width and depth, however good its guesses."""
+    need = step_price(table, rows, depth) / step_price(table, rows, 0)
+    if need > depth + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(40):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if expected_accepted(mid, depth) < need else (lo, mid)
+    return hi
+
+
 def drafting_saves(table: CostTable, rows: int, alpha: float, max_depth: int = MAX_DEPTH,
                    overhead_ms: dict[int, float] | None = None) -> float:
     """ms of step time per token that drafting at its best depth saves a row of acceptance `alpha` at this

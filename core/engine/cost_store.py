@@ -69,6 +69,19 @@ def load(identity: dict) -> CostTable | None:
         return None
 
 
+def kept() -> list[tuple[Path, dict, CostTable]]:
+    """Every readable table in costs_dir(), with its file and identity (unreadable files are skipped, as `load`
+    would measure them again)."""
+    out = []
+    for path in sorted(costs_dir().glob("*.json")):
+        try:
+            data = json.loads(path.read_text())
+            out.append((path, dict(data["identity"]), CostTable.from_dict(data["table"], source=str(path))))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue
+    return out
+
+
 def save(identity: dict, table: CostTable) -> Path:
     """Write `table` for `identity` whole (a temporary file renamed over the old one) and return its path."""
     path = path_for(identity)
