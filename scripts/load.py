@@ -108,14 +108,14 @@ def decode_rate(timings: list) -> float | None:
 
 
 # Server metrics whose change over a level is reported: what the steps drafted, accepted and prefilled, the rows
-# they decoded and drafted for, the owed tokens the drafter was fed, and the seconds of each phase of the steps.
-PHASES = ("prefill", "catch_up", "draft", "verify", "commit", "host")
+# they decoded and drafted for, the owed tokens the drafter was fed; and the seconds of each phase of the steps,
+# as "PHASE_s", for every phase the server labels (PHASE_SECONDS).
 METRICS = {"steps": "specpilot_step_draft_tokens_count", "drafted": "specpilot_step_draft_tokens_sum",
            "accepted": "specpilot_step_accepted_draft_tokens_sum", "prefilled": "specpilot_step_prefill_tokens_sum",
            "prefix_queries": "specpilot_prefix_cache_queries_total", "prefix_hits": "specpilot_prefix_cache_hits_total",
            "rows": "specpilot_step_rows_sum", "drafting_rows": "specpilot_step_drafting_rows_sum",
-           "caught_up": "specpilot_drafter_catch_up_tokens_total",
-           **{f"{p}_s": f'specpilot_step_seconds_total{{phase="{p}"}}' for p in PHASES}}
+           "caught_up": "specpilot_drafter_catch_up_tokens_total"}
+PHASE_SECONDS = 'specpilot_step_seconds_total{phase="'
 
 
 def scrape(url: str) -> dict[str, float] | None:
@@ -125,12 +125,16 @@ def scrape(url: str) -> dict[str, float] | None:
             lines = r.read().decode().splitlines()
     except (OSError, ValueError):
         return None
-    values = {}
+    values, phases = {}, {}
     for line in lines:
         name, _, value = line.partition(" ")
         if name in METRICS.values():
             values[name] = float(value)
-    return {k: values[v] for k, v in METRICS.items()} if len(values) == len(METRICS) else None
+        elif name.startswith(PHASE_SECONDS):
+            phases[name[len(PHASE_SECONDS):].removesuffix('"}') + "_s"] = float(value)
+    if len(values) < len(METRICS):
+        return None
+    return {**{k: values[v] for k, v in METRICS.items()}, **phases}
 
 
 def peak_rss_mb(pid: int) -> float | None:
@@ -226,7 +230,7 @@ def main() -> int:
             res = asyncio.run(level(args.url, model, reqs, c, args.max_tokens, args.time_limit, system))
             after = scrape(args.url)
             if before is not None and after is not None:
-                res["steps"] = {k: after[k] - before[k] for k in METRICS}
+                res["steps"] = {k: after[k] - before.get(k, 0.0) for k in after}
             res["peak_rss_mb"] = None if proc is None else peak_rss_mb(proc.pid)
             res["workload"] = "system" if system else "plain"
             texts = res.pop("texts")
@@ -242,7 +246,8 @@ def main() -> int:
                   + (", steps {steps:.0f} (rows {rows:.0f}, drafting {drafting_rows:.0f}) drafted {drafted:.0f} "
                      "accepted {accepted:.0f} prefilled {prefilled:.0f} caught up {caught_up:.0f} prefix hits "
                      "{prefix_hits:.0f}/{prefix_queries:.0f}".format(**res["steps"])
-                     + ", seconds: " + " ".join(f"{p} {res['steps'][p + '_s']:.1f}" for p in PHASES)
+                     + ", seconds: " + " ".join(f"{k.removesuffix('_s')} {v:.1f}" for k, v in res["steps"].items()
+                                                if k.endswith("_s"))
                      if "steps" in res else ""), flush=True)
             if args.json:
                 with open(args.json, "a") as f:
