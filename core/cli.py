@@ -553,7 +553,7 @@ def cmd_costs(args: argparse.Namespace) -> int:
             one = table.verify_ms(rows, 1)
             alphas = [break_even(table, rows, d) for d in depths]
             print(f"  {rows:>4} {one / rows:>14.1f} {table.verify_ms(rows, 2) / one:>10.2f} "
-                  f"{table.draft.get(rows, 0.0):>8.1f}  " + "  ".join(
+                  f"{table.draft_ms(rows):>8.1f}  " + "  ".join(
                       f"{'never' if a is None else f'{a:.2f}':>11}" for a in alphas))
     print("alpha at d: the per-token acceptance from which every row drafting a chain of d gives as many tokens per ms "
           "as plain decoding, at these prices (catch-up and overhead left out); never: not even alpha = 1")

@@ -575,3 +575,18 @@ def test_a_ragged_target_drafts_for_few_rows_where_a_padded_one_would_not():
     assert step_price(table, 4, 2, drafting=1) == step_price(table, 4, 2) == 200.0
     assert best_uniform_depth(table, 4, 0.9, max_depth=2, drafting=1) == 0
     assert best_uniform_depth(table, 4, 0.9, max_depth=2, drafting=1, ragged=True) == 2
+
+
+def test_a_drafter_forward_at_an_unmeasured_width_is_not_free():
+    """The server measures steps at 1, 2, 4, 8 and 16 rows; at 7 rows a drafter forward costs about what it does
+    between 4 and 8, not nothing. Priced free, the budget policy drafted (and caught up whole prompts) at 7 and 13
+    rows on the Xeon, and served at 0.8x plain decoding."""
+    verify = {(4, 1): 141.0, (4, 2): 174.0, (8, 1): 180.0, (8, 2): 257.0, (16, 1): 265.0, (16, 2): 393.0}
+    table = CostTable({**verify, **{(r, t): verify[(r, 2)] + 60.0 * (t - 2) for r in (4, 8, 16) for t in range(3, 10)}},
+                      {1: 36.0, 4: 67.0, 8: 114.0, 16: 202.0})
+    assert table.draft_ms(8) == 114.0 and table.draft_ms(7) == pytest.approx(67.0 + 3 * (114.0 - 67.0) / 4)
+    assert table.draft_ms(32) == pytest.approx(404.0) and table.draft_ms(2) == pytest.approx(36.0 + (67.0 - 36.0) / 3)
+    assert CostTable({(1, 1): 1.0}).draft_ms(3) == 0.0  # no drafter forward measured: prompt lookup
+    policy = Policy("budget", TreeSpec("static", chain_paths(4)), table)
+    assert policy.depths([0.6] * 7) == [0] * 7
+    assert policy.depths([0.6] * 4) == [0] * 4  # measured there: drafting does not pay at this acceptance either
