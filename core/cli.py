@@ -143,6 +143,9 @@ def serve_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--served-model-name", default=None, help="the model name clients send (default: the target's)")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` on /v1")
     p.add_argument("--grace", type=float, default=30.0, help="seconds in-flight requests get after SIGTERM")
+    p.add_argument("--log-level", default="info", choices=("debug", "info", "warning"),
+                   help="debug also logs every engine step: its rows, what it drafted, caught up and prefilled, and "
+                        "where its time went")
     p.add_argument("--remeasure", action="store_true",
                    help="measure the batching policy's step costs again instead of reading the ones kept for this "
                         "deployment and machine ($SPECPILOT_COSTS_DIR, default ~/.cache/specpilot/costs)")

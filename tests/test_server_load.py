@@ -4,8 +4,9 @@
   text, and every request accepted is counted finished (none is lost).
 - SmolLM2 in q8 with chunked prefill (16 tokens a step) and the prefix cache: chats that share their template
   and system prompt find its blocks, every text equals the engine's own q8 plain decoding, no step prefills
-  more than its budget, the steps' time is reported by phase with the tokens the drafter was fed, and once idle
-  the caches hold nothing reserved and give their memory back (measured).
+  more than its budget, the steps' time is reported by phase with the tokens the drafter was fed (and each
+  step is logged at debug level), and once idle the caches hold nothing reserved and give their memory back
+  (measured).
 - A KV budget smaller than the context: the server says the context it can serve, a prompt of exactly that
   much is served and one token more gets a 400 saying how many fit; a budget that holds no request is a
   one-line error at start.
@@ -86,7 +87,8 @@ def test_q8_chunked_prefill_and_prefix_cache_serve_q8_plain_decoding(smollm2_ggu
     want = [tok.decode(engine.generate([i], 20, speculative=False).tokens[0], skip_special_tokens=True) for i in ids]
     del engine
     with Server("--target", smollm2_gguf, "--drafter", smollm2_gguf, "--numerics", "q8", "--recipe", "stock-gguf-q4",
-                "--max-batch", "2", "--max-num-batched-tokens", "16", "--served-model-name", "smol") as server:
+                "--max-batch", "2", "--max-num-batched-tokens", "16", "--served-model-name", "smol",
+                "--log-level", "debug") as server:
         c = server.client()
         got = [c.chat.completions.create(model="smol", messages=m, max_tokens=20, temperature=0).choices[0]
                .message.content for m in messages]
@@ -107,6 +109,7 @@ def test_q8_chunked_prefill_and_prefix_cache_serve_q8_plain_decoding(smollm2_ggu
     assert _sample(m, "specpilot_drafter_catch_up_tokens_total") >= 2 * sum(len(i) - 1 for i in ids)
     rows, drafting = _sample(m, "specpilot_step_rows_sum"), _sample(m, "specpilot_step_drafting_rows_sum")
     assert _sample(m, "specpilot_step_rows_count") == steps and 0 < drafting <= rows <= 2 * steps
+    assert server.log.count(b" step: ") == steps  # --log-level debug: one line a step
     assert _sample(m, "specpilot_kv_cache_reserved_bytes") == 0
     budget = _sample(m, "specpilot_kv_cache_budget_bytes")
     assert 0 <= _sample(m, "specpilot_kv_cache_resident_bytes") < 0.01 * budget

@@ -9,6 +9,7 @@ what else is in flight.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -18,6 +19,8 @@ from specpilot.core.engine.decode import PHASES, GenerationError, StepStats
 from specpilot.core.engine.scheduler import Event, Scheduler
 from specpilot.core.server.metrics import Metrics
 from specpilot.core.server.protocol import ApiError, Job
+
+log = logging.getLogger("specpilot.serve")
 
 SHUTDOWN = "the server is shutting down and this request did not finish within its grace period"
 UNAVAILABLE = "unavailable"  # the finish of a queued request turned away by a draining server (HTTP 503)
@@ -165,6 +168,11 @@ class EngineLoop:
         for phase in PHASES:
             self.metrics.step_seconds.labels(phase).inc(getattr(stats, f"{phase}_ms") / 1e3)
         self.metrics.catch_up_tokens.inc(stats.caught_up)
+        if log.isEnabledFor(logging.DEBUG):
+            log.debug("step: %d rows, %d drafting, %d drafted, %d accepted, %d caught up, %d prefilled, %d waiting; "
+                      "ms %s", len(stats.accepted), stats.drafting, stats.nodes - len(stats.accepted),
+                      sum(stats.accepted) - len(stats.accepted), stats.caught_up, stats.prefilled, self.sched.waiting,
+                      " ".join(f"{p} {getattr(stats, p + '_ms'):.0f}" for p in PHASES))
 
     def _resident(self) -> float:
         """The caches' measured memory, read when /metrics is scraped (the caches' mappings only, never resized)."""

@@ -113,7 +113,8 @@ def warm_up(engine, recipe: Recipe | None, speculative: bool, tokenizer) -> None
 
 def run(args: argparse.Namespace) -> int:
     """Serve until a signal; exit 0 after draining."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     app, state, label, deployment = build(args)
     state.engine.start()
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", timeout_graceful_shutdown=5,
