@@ -164,13 +164,13 @@ def test_a_policy_that_stops_drafting_still_probes():
     each probe that changes nothing doubles the wait for the next, up to PROBE_MAX."""
     from specpilot.core.engine.batching import PROBE_EVERY, PROBE_MAX
 
-    table = CostTable({(2, 1): 10.0, (2, 2): 15.0, (2, 3): 20.0})
+    table = CostTable({(2, t): 5.0 + 5.0 * t for t in range(1, MAX_DEPTH + 2)})
     policy = Policy("budget", TreeSpec("static", chain_paths(2)), table)
     waits = [PROBE_EVERY]
     while waits[-1] < PROBE_MAX:
         waits.append(min(2 * waits[-1], PROBE_MAX))
     waits += [PROBE_MAX, PROBE_MAX]
-    seen = [policy.depths([0.5, 0.5]) for _ in range(sum(waits))]
+    seen = [policy.depths([0.6, 0.6]) for _ in range(sum(waits))]  # 0.6 does not pay here, 0.705 would
     probes = [i for i, d in enumerate(seen) if d != [0, 0]]
     assert probes == [sum(waits[:j + 1]) - 1 for j in range(len(waits))]
     assert all(seen[i] == [1, 1] for i in probes)
@@ -331,6 +331,20 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(s
     assert out == reference[6]
 
 
+def test_no_probe_where_even_a_fully_accepted_one_could_not_change_the_answer():
+    """Each drafted token costs half a plain step here, so with MIN_GAIN drafting pays from an estimate of 0.65
+    on: one probe, however well accepted, raises 0.5 to 0.635 at most, so none is taken; from 0.6 one can
+    (0.705)."""
+    from specpilot.core.engine.batching import ALPHA_MAX, PROBE_EVERY, next_alpha
+
+    table = CostTable({(2, t): 5.0 + 5.0 * t for t in range(1, MAX_DEPTH + 2)})
+    assert next_alpha(0.5, 1.0) == pytest.approx(0.7 * 0.5 + 0.3 * ALPHA_MAX)
+    low = Policy("budget", TreeSpec("static", chain_paths(2)), table)
+    assert all(low.depths([0.5, 0.5]) == [0, 0] for _ in range(4 * PROBE_EVERY))
+    near = Policy("budget", TreeSpec("static", chain_paths(2)), table)
+    assert [near.depths([0.6, 0.6]) for _ in range(PROBE_EVERY)][-1] == [1, 1]
+
+
 def test_no_probe_where_even_the_best_acceptance_would_not_draft():
     """A probe only corrects an acceptance estimate; where verifying t tokens costs t^2 times one, no estimate
     up to ALPHA_MAX makes drafting pay, so the policy never probes (and never feeds the drafter)."""
@@ -459,7 +473,7 @@ def test_probes_spare_the_rows_whose_catch_up_no_acceptance_would_repay():
     steep = {(2, t): 6.0 + 2.0 * t for t in range(1, MAX_DEPTH + 2)}  # drafting pays only at high acceptance
     table = CostTable(steep, {2: 0.1}, catch_up=0.5)
     policy = Policy("budget", None, table)
-    seen = [policy.depths([0.1, 0.1], owed=[500, 3], left=[2, 100]) for _ in range(PROBE_EVERY)]
+    seen = [policy.depths([0.75, 0.75], owed=[500, 3], left=[2, 100]) for _ in range(PROBE_EVERY)]
     assert seen[:-1] == [[0, 0]] * (PROBE_EVERY - 1) and seen[-1] == [0, 1]
     hopeless = Policy("budget", None, table)
     assert all(hopeless.depths([0.1, 0.1], owed=[500, 500], left=[2, 2]) == [0, 0] for _ in range(4 * PROBE_EVERY))

@@ -7,7 +7,7 @@ name) decide each row's draft depth per step:
             verification cost at the current batch size (down to 0: no speculation where it stops paying,
             with a 1-token probe step after PROBE_EVERY undrafted steps, then after twice as many each time
             a probe changes nothing, up to PROBE_MAX, so the rows' acceptance estimates stay current at a
-            bounded cost; no probe where even the best acceptance would not draft);
+            bounded cost; no probe where even a fully accepted one would leave the policy drafting nothing);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused", or any target under the q8 numerics, whose products of a token
@@ -226,6 +226,12 @@ def acceptance_sample(accepted: int, drafted: int) -> float:
     return accepted / tested
 
 
+def next_alpha(alpha: float, sample: float) -> float:
+    """A row's acceptance estimate after one drafted step whose sample (acceptance_sample) was `sample`: a moving
+    average, each sample clipped to [0.05, ALPHA_MAX]."""
+    return 0.7 * alpha + 0.3 * min(ALPHA_MAX, max(0.05, sample))
+
+
 def expected_accepted(alpha: float, depth: int) -> float:
     """Tokens per step (bonus included) of a chain of `depth` with per-token acceptance `alpha`."""
     return sum(alpha ** k for k in range(depth + 1))
@@ -335,9 +341,9 @@ class Policy:
         """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
         Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
-        drafting out is corrected rather than kept for the rest of the run. No probe is taken where even the
-        best acceptance an estimate can reach (ALPHA_MAX) would draft nothing at this batch size: a probe then
-        could not change the answer, and it would feed the drafter every prompt it has been spared. A probe
+        drafting out is corrected rather than kept for the rest of the run. No probe is taken where even a
+        probe whose every token was accepted would leave the estimates drafting nothing at this batch size: it
+        could not change the answer, and it would feed the drafter everything the rows owe it. A probe
         after which the policy still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so
         where speculation truly does not pay (a wide batch) the probes cost less and less; drafting again
         resets the wait.
@@ -350,7 +356,7 @@ class Policy:
         `owed` and `left` (keyword, per row, both or neither) are the tokens each row owes the drafter
         (Drafter.owed) and has left to generate: the registered policies read them as `self.owed` / `self.left`
         to price each row's catch-up (`owed_ms`, `worth_drafting`); without them nothing is owed. A probe
-        drafts only for the rows whose catch-up an acceptance of ALPHA_MAX would repay."""
+        drafts only for the rows whose catch-up that best outcome would repay."""
         n = len(alphas)
         self.owed = [0] * n if owed is None else list(owed)
         self.left = [1] * n if left is None else list(left)
@@ -364,7 +370,7 @@ class Policy:
         self.idle += 1
         if self.idle < self.probe_every:
             return depths
-        probe = self._probe(n)
+        probe = self._probe(alphas)
         if probe is None:
             return depths
         self.idle = 0
@@ -376,12 +382,15 @@ class Policy:
         """Whether the policy chooses each row's depth (False: every row drafts the recipe's tree)."""
         return self.name != "fixed" and self.table is not None
 
-    def _probe(self, rows: int) -> list[int] | None:
-        """A probe's depths (a token for each row whose catch-up it would repay), or None where drafting could
-        not pay at this batch size even if every row's acceptance were ALPHA_MAX."""
+    def _probe(self, alphas: list[float]) -> list[int] | None:
+        """A probe's depths (a token for each row whose catch-up it would repay), or None where no probe could
+        change the answer: where drafting would not pay at this batch size even after every row's probe token
+        was accepted (each estimate raised as far as one sample raises it, next_alpha). A probe that cannot
+        change the answer only feeds the drafter what the rows owe (on the Xeon at c = 4, a second of catch-up
+        per probe for four tokens)."""
         if self.table is None:
-            return [1] * rows
-        worth, depth = self.uniform_depth([ALPHA_MAX] * rows)
+            return [1] * len(alphas)
+        worth, depth = self.uniform_depth([next_alpha(a, ALPHA_MAX) for a in alphas])
         return [int(w) for w in worth] if depth else None
 
     def uniform_depth(self, alphas: list[float]) -> tuple[list[bool], int]:

@@ -41,7 +41,7 @@ from typing import Callable
 
 import torch
 
-from specpilot.core.engine.batching import ALPHA_MAX, MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample
+from specpilot.core.engine.batching import MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample, next_alpha
 from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
                                           Verification, cache_room, commit_paths, draft_depth, drafter_room, emit,
                                           misfit, remember, sync, verify)
@@ -472,7 +472,7 @@ class Scheduler:
             drafted = max(trees[b].depths)
             if drafted:
                 seen = acceptance_sample(len(paths[b]), drafted)
-                rows.alphas[b] = 0.7 * rows.alphas[b] + 0.3 * min(ALPHA_MAX, max(0.05, seen))
+                rows.alphas[b] = next_alpha(rows.alphas[b], seen)
             req = self.requests[rows.ids[b]]
             new, finish = emit(tokens, req.out, req.limit, self.eos)
             events.append(Event(rows.ids[b], new, finish))
