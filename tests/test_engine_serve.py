@@ -331,16 +331,15 @@ def test_a_failed_step_ends_the_requests_in_flight_and_the_scheduler_serves_on(s
     assert out == reference[6]
 
 
-def test_no_probe_where_even_a_fully_accepted_one_could_not_change_the_answer():
+def test_no_probe_where_even_two_fully_accepted_ones_could_not_change_the_answer():
     """Each drafted token costs half a plain step here, so with MIN_GAIN drafting pays from an estimate of 0.65
-    on: one probe, however well accepted, raises 0.5 to 0.635 at most, so none is taken; from 0.6 one can
-    (0.705)."""
+    on: two probes, however well accepted, raise 0.3 to 0.63 at most, so none is taken; from 0.6 they can."""
     from specpilot.core.engine.batching import ALPHA_MAX, PROBE_EVERY, next_alpha
 
     table = CostTable({(2, t): 5.0 + 5.0 * t for t in range(1, MAX_DEPTH + 2)})
     assert next_alpha(0.5, 1.0) == pytest.approx(0.7 * 0.5 + 0.3 * ALPHA_MAX)
     low = Policy("budget", TreeSpec("static", chain_paths(2)), table)
-    assert all(low.depths([0.5, 0.5]) == [0, 0] for _ in range(4 * PROBE_EVERY))
+    assert all(low.depths([0.3, 0.3]) == [0, 0] for _ in range(4 * PROBE_EVERY))
     near = Policy("budget", TreeSpec("static", chain_paths(2)), table)
     assert [near.depths([0.6, 0.6]) for _ in range(PROBE_EVERY)][-1] == [1, 1]
 

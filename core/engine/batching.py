@@ -7,7 +7,7 @@ name) decide each row's draft depth per step:
             verification cost at the current batch size (down to 0: no speculation where it stops paying,
             with a 1-token probe step after PROBE_EVERY undrafted steps, then after twice as many each time
             a probe changes nothing, up to PROBE_MAX, so the rows' acceptance estimates stay current at a
-            bounded cost; no probe where even a fully accepted one would leave the policy drafting nothing);
+            bounded cost; no probe where even two fully accepted ones would leave the policy drafting nothing);
   allocate  a shared per-step node budget spread over rows by their expected acceptance;
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused", or any target under the q8 numerics, whose products of a token
@@ -341,9 +341,9 @@ class Policy:
         """Per-row chain depths for this step, or None to use `spec` unchanged (the registered policy's).
         Rows that draft nothing learn nothing about their acceptance, so a policy that has drafted nothing
         for PROBE_EVERY steps gets one step of a single draft token per row: an early estimate that priced
-        drafting out is corrected rather than kept for the rest of the run. No probe is taken where even a
-        probe whose every token was accepted would leave the estimates drafting nothing at this batch size: it
-        could not change the answer, and it would feed the drafter everything the rows owe it. A probe
+        drafting out is corrected rather than kept for the rest of the run. No probe is taken where even two
+        probes whose every token was accepted would leave the estimates drafting nothing at this batch size
+        (_probe): they could not change the answer, and would feed the drafter everything the rows owe it. A probe
         after which the policy still drafts nothing doubles the wait for the next one (up to PROBE_MAX), so
         where speculation truly does not pay (a wide batch) the probes cost less and less; drafting again
         resets the wait.
@@ -383,14 +383,15 @@ class Policy:
         return self.name != "fixed" and self.table is not None
 
     def _probe(self, alphas: list[float]) -> list[int] | None:
-        """A probe's depths (a token for each row whose catch-up it would repay), or None where no probe could
-        change the answer: where drafting would not pay at this batch size even after every row's probe token
-        was accepted (each estimate raised as far as one sample raises it, next_alpha). A probe that cannot
-        change the answer only feeds the drafter what the rows owe (on the Xeon at c = 4, a second of catch-up
-        per probe for four tokens)."""
+        """A probe's depths (a token for each row whose catch-up it would repay), or None where probing could not
+        change the answer soon: where drafting would not pay at this batch size even after this probe and the
+        next were accepted whole (each estimate raised as far as two samples raise it, next_alpha). Such a probe
+        only feeds the drafter what the rows owe (on the Xeon at c = 4, a second of catch-up per probe for four
+        drafted tokens); two, not one, so that a row whose estimate one bad step pulled down can still climb
+        back where drafting pays by far (a single row)."""
         if self.table is None:
             return [1] * len(alphas)
-        worth, depth = self.uniform_depth([next_alpha(a, ALPHA_MAX) for a in alphas])
+        worth, depth = self.uniform_depth([next_alpha(next_alpha(a, ALPHA_MAX), ALPHA_MAX) for a in alphas])
         return [int(w) for w in worth] if depth else None
 
     def uniform_depth(self, alphas: list[float]) -> tuple[list[bool], int]:
