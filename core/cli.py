@@ -542,8 +542,11 @@ def cmd_costs(args: argparse.Namespace) -> int:
         return 0
 
     def named(where: str | None) -> str:
-        info = source(where) if where else None
-        return Path(info["gguf"] if info else where).name if where else "none"
+        """A checkpoint by its file name: the GGUF file a materialised directory came from, else the directory."""
+        if not where:
+            return "none"
+        info = source(where)
+        return Path(info["gguf"] if info else where).name
 
     for path, ident, table in tables:
         fmt, _, drafter_format, linear, method, _ = ident["recipe"]

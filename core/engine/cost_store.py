@@ -54,17 +54,26 @@ def path_for(identity: dict) -> Path:
     return costs_dir() / f"{digest}.json"
 
 
+UNREADABLE = (OSError, ValueError, KeyError, TypeError, AttributeError)  # what reading a kept file may raise
+
+
+def _read(path: Path) -> tuple[dict, CostTable]:
+    """A kept file's identity and table; one of UNREADABLE if it is not one."""
+    data = json.loads(path.read_text())
+    return dict(data["identity"]), CostTable.from_dict(data["table"], source=str(path))
+
+
 def load(identity: dict) -> CostTable | None:
     """The stored table for `identity`, or None (none stored, or one that is unreadable: it is measured again)."""
     path = path_for(identity)
     if not path.is_file():
         return None
     try:
-        data = json.loads(path.read_text())
-        if data.get("identity") != identity:
+        kept_for, table = _read(path)
+        if kept_for != identity:
             raise ValueError("it was measured for another deployment")
-        return CostTable.from_dict(data["table"], source=str(path))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        return table
+    except UNREADABLE as exc:
         log.warning("step costs in %s are unusable (%s); measuring them again", path, exc)
         return None
 
@@ -75,9 +84,8 @@ def kept() -> list[tuple[Path, dict, CostTable]]:
     out = []
     for path in sorted(costs_dir().glob("*.json")):
         try:
-            data = json.loads(path.read_text())
-            out.append((path, dict(data["identity"]), CostTable.from_dict(data["table"], source=str(path))))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            out.append((path, *_read(path)))
+        except UNREADABLE:
             continue
     return out
 
