@@ -176,20 +176,20 @@ def test_a_rows_logits_do_not_depend_on_what_shares_its_pass(q8):
 
 
 def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, monkeypatch):
-    """Rows with fewer real tokens than the step is wide (verify's `sizes`): the q8 target multiplies the real
-    ones alone, and their logits and cache slots are the padded step's bit for bit; the padding's logits are
-    zeros."""
+    """Rows with fewer real tokens than the step is wide (verify's `sizes`), one of them 640 tokens into its
+    context: the q8 target multiplies the real ones alone, and their logits and cache slots are the padded
+    step's bit for bit, the row's own alone and a prefill's, on 1 or 2 threads; the padding's logits are zeros."""
     m = q8.target
     assert m.ragged
-    tokens = _long_context(q8, 300)
-    starts = [100, 250, 40]
+    tokens = _long_context(q8, 700)
+    starts = [640, 250, 40]
     step = torch.tensor([tokens[s:s + 3] for s in starts])
     widths = []
     real_linear = m.lm_head
     monkeypatch.setattr(m, "lm_head", lambda x: widths.append(x.shape[0]) or real_linear(x))
 
     def run(sizes):
-        cache = m.new_cache(3, 400)
+        cache = m.new_cache(3, 700)
         for row, s in enumerate(starts):
             m.prefill_row(cache, row, tokens[:s])
         out = m.step(step, cache, cache.lengths.clone(), torch.arange(3).expand(3, 3),
@@ -207,6 +207,15 @@ def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, mon
         at = starts[row]
         assert torch.equal(ragged_cache.k[:, row, :, :at + n], padded_cache.k[:, row, :, :at + n])
         assert torch.equal(ragged_cache.v[:, row, :, :at + n], padded_cache.v[:, row, :, :at + n])
+    full, _ = _prefill_logits(m, tokens[:643])
+    assert torch.equal(ragged[0], full[640:643])  # the same positions prefilled at once, 640 tokens in
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        two, _ = run(sizes)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(two, ragged)
 
 
 def test_served_steps_of_mixed_depths_equal_q8_plain_decoding(q8, ar):
