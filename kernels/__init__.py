@@ -8,7 +8,8 @@
 
 Installed, this folder is `specpilot.kernels` and nothing else. Run from the checkout's root (whose folders are on
 sys.path then), `import kernels` would find this folder instead of Hugging Face's `kernels` package, which
-transformers >= 5.25 imports; the block below hands that name to Hugging Face's package.
+transformers imports where it is installed; the block below hands that name to Hugging Face's package, or where
+none is installed to an empty namespace package, which transformers reads as not installed.
 """
 
 import os
@@ -19,7 +20,7 @@ if __name__ == "kernels":
     # Imported by its folder's name: the checkout's root is on sys.path (python run from it) and something asked
     # for Hugging Face's `kernels` (transformers >= 5.25 imports it). This folder is `specpilot.kernels`, never a
     # top-level module: hand the name to the package it stands in front of, found on the rest of sys.path, or
-    # to nobody.
+    # to an empty namespace.
     import importlib.machinery
     import importlib.util
 
@@ -27,10 +28,15 @@ if __name__ == "kernels":
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _root])
     if _spec is None or _spec.loader is None:
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _module = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _module  # what the import system returns for `import kernels` once this file ends
-    _spec.loader.exec_module(_module)
+        # None installed: stand in as an empty namespace package (no file, no names, no submodules), what Python
+        # makes of a folder without __init__.py. Raising instead breaks transformers 5.24, whose availability
+        # check imports any name find_spec found and reads a module without __file__ as not installed.
+        _module = importlib.util.module_from_spec(importlib.machinery.ModuleSpec("kernels", None, is_package=True))
+        sys.modules["kernels"] = _module
+    else:
+        _module = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _module  # what the import system returns for `import kernels` once this file ends
+        _spec.loader.exec_module(_module)
 
 
 def cache_dir() -> Path:

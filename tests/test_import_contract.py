@@ -171,7 +171,8 @@ def test_the_checkouts_kernels_folder_never_stands_in_for_hugging_faces(tmp_path
     """Run from the repository root with nothing keeping the root off sys.path (no PYTHONSAFEPATH), `import
     kernels` gives Hugging Face's `kernels` package where it is installed (transformers >= 5.25 imports it), our
     folder still imports as specpilot.kernels beside it, and where no such package is installed `import kernels`
-    fails as for any missing module: the folder is never a top-level module."""
+    gives an empty namespace package (no file, no names, no submodules), which transformers' availability check
+    imports and reads as not installed: the folder is never a top-level module."""
     site = tmp_path / "site"
     (site / "kernels").mkdir(parents=True)
     (site / "kernels" / "__init__.py").write_text("WHOSE = 'hugging face'\n")
@@ -184,8 +185,15 @@ def test_the_checkouts_kernels_folder_never_stands_in_for_hugging_faces(tmp_path
     assert got.returncode == 0, got.stderr[-2000:]
     assert got.stdout.split()[:5] == ["hugging", "face", "a", "submodule", "True"]
     assert got.stdout.split()[-1] == str(site / "kernels" / "__init__.py")
-    none = subprocess.run([sys.executable, "-c", "import kernels"], cwd=ROOT,
-                          env={k: v for k, v in env.items() if k != "PYTHONPATH"}, capture_output=True, text=True,
-                          timeout=120)
+    bare = {k: v for k, v in env.items() if k != "PYTHONPATH"}
     if importlib.util.find_spec("kernels") is None:  # no Hugging Face kernels in this environment
-        assert none.returncode != 0 and "No module named 'kernels'" in none.stderr.strip().splitlines()[-1]
+        probe = ("import kernels, specpilot.kernels as ours; from transformers.utils import is_kernels_available;"
+                 "from transformers import LlamaConfig;"
+                 "print(getattr(kernels, '__file__', None), hasattr(kernels, 'cache_dir'), is_kernels_available())")
+        none = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, env=bare, capture_output=True, text=True,
+                              timeout=120)
+        assert none.returncode == 0, none.stderr[-2000:]
+        assert none.stdout.split() == ["None", "False", "False"]
+        sub = subprocess.run([sys.executable, "-c", "import kernels.cpu"], cwd=ROOT, env=bare, capture_output=True,
+                             text=True, timeout=120)
+        assert sub.returncode != 0 and "No module named 'kernels.cpu'" in sub.stderr.strip().splitlines()[-1]
