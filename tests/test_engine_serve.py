@@ -603,3 +603,50 @@ def test_a_drafter_forward_at_an_unmeasured_width_is_not_free():
     policy = Policy("budget", TreeSpec("static", chain_paths(4)), table)
     assert policy.depths([0.6] * 7) == [0] * 7
     assert policy.depths([0.6] * 4) == [0] * 4  # measured there: drafting does not pay at this acceptance either
+
+
+def test_a_row_whose_acceptance_does_not_pay_is_not_drafted_for():
+    """At 4 rows on a ragged target a drafted token costs half what a plain one does (break-even 0.5 at depth
+    1): rows estimated at 0.9 draft, rows at 0.2, or with nothing to propose (0), decode plainly beside them.
+    Priced at the four rows' mean (0.5), none would draft, or all."""
+    table = CostTable({(4, t): 100.0 + 50.0 * (t - 1) for t in range(1, MAX_DEPTH + 2)})
+    depths = Policy("budget", None, table, ragged=True).depths([0.9, 0.2, 0.9, 0.0])
+    assert depths[0] == depths[2] > 0 and depths[1] == depths[3] == 0
+    assert Policy("budget", None, table, ragged=True).depths([0.2] * 4) == [0] * 4
+
+
+def test_prompt_lookup_classes_its_drafts_by_the_suffix_it_matched():
+    """draft_class is the length of the suffix the next draft continues (at most max_n), 0 where nothing
+    matches, and the draft it classes is the one draft() then gives."""
+    from specpilot.core.engine.drafters import DraftMode, NgramDrafter
+
+    d = NgramDrafter(max_n=3)
+    d.open(3, 64)
+    d.admit([5, 6, 7, 8, 9, 5, 6, 7])  # ends with 5 6 7, seen before: continues 8 9
+    d.admit([1, 2, 3, 4, 9, 4])  # ends with 4, seen once, after 3 (so 3 4 is not): continues 9 4
+    d.admit([1, 2, 3])  # nothing repeats
+    assert [d.draft_class(r) for r in range(3)] == [3, 1, 0]
+    trees = d.draft(TreeSpec("static", chain_paths(2)), DraftMode(), [True] * 3)
+    assert trees[0].tokens[1:] == [8, 9] and trees[1].tokens[1:] == [9, 4] and len(trees[2]) == 1
+    d.commit([2], [[]], [[1, 2]])  # 1 2 now follows 3 and repeats the start
+    assert d.draft_class(2) == 2
+
+
+def test_draft_classes_learn_their_own_acceptance_and_serve_ar_tokens(setup):
+    """Prompt lookup under the budget policy: each row is priced by the acceptance learned for its draft class,
+    learned from the rows drafted in it; the tokens are single-request AR's."""
+    from specpilot.core.engine.batching import ClassAcceptance
+    from specpilot.core.recipe import Recipe
+
+    engine, prompts, limits, reference, _ = setup
+    spec = TreeSpec("static", chain_paths(4))
+    table = CostTable({(r, t): 10.0 for r in range(1, 5) for t in range(1, MAX_DEPTH + 2)})
+    ngram = engine.drafter_for(Recipe.from_dict({"draft": {"method": "ngram"}}))
+    sched = Scheduler(engine.target, ngram, spec, Policy("budget", spec, table), 4,
+                      max(len(p) + n for p, n in zip(prompts, limits)))
+    assert drive(sched, prompts, limits).tokens == reference
+    assert sched.classes.alphas and set(sched.classes.alphas) <= {1, 2, 3}
+    learned = ClassAcceptance()
+    learned.observe(3, 1.0)
+    learned.observe(1, 0.0)
+    assert learned.estimate(3) > learned.estimate(4) > learned.estimate(1) > learned.estimate(0) == 0.0

@@ -31,7 +31,11 @@ the tokens a step of depth d is expected to give it), nothing at depth 0. A row 
 per token left than drafting could save it per token (`Policy.worth_drafting`) gets depth 0 from the
 budget, allocate and cap policies, and the drafter leaves it owing; under load, where every new request
 owes its whole prompt, that is what keeps speculation from paying a drafter prefill per request that it
-never earns back.
+never earns back. So does a row whose acceptance is below where drafting pays at this batch size.
+
+A row's acceptance is its own running estimate, or where the drafter can class its next draft before drafting
+(Drafter.draft_class: prompt lookup's match length) the estimate learned for that class across all rows
+(ClassAcceptance): a wide step then drafts where the match is long and decodes plainly where it is not.
 """
 
 from __future__ import annotations
@@ -59,6 +63,7 @@ MIN_GAIN = 0.10  # the least gain in tokens per ms over plain decoding a depth m
 # 0.98x plain decoding at batch 1, drafting on estimates that promised 3-15%)
 
 
+CLASS_RATE = 0.05  # how far one drafted row's sample moves its draft class's shared estimate (ClassAcceptance)
 CATCH_UP_TOKENS = 64  # the run of tokens measure_costs feeds one drafter row to price its catch-up per token
 
 
@@ -230,6 +235,28 @@ def next_alpha(alpha: float, sample: float) -> float:
     """A row's acceptance estimate after one drafted step whose sample (acceptance_sample) was `sample`: a moving
     average, each sample clipped to [0.05, ALPHA_MAX]."""
     return 0.7 * alpha + 0.3 * min(ALPHA_MAX, max(0.05, sample))
+
+
+@dataclass
+class ClassAcceptance:
+    """Per-token acceptance learned per draft class (Drafter.draft_class) across every row: where a drafter can
+    tell before drafting how good a row's draft will be, the class predicts it better than the row's history (on
+    the coding workload prompt lookup's continuations of a 3-token match were accepted ~0.85 a token and of a
+    1-token match ~0.2, in the same rows). Class 0 (nothing to propose) is 0; an unseen class starts at
+    PRIOR_ACCEPTANCE. Each drafted row's sample moves its class's estimate by CLASS_RATE, a slower average than a
+    row's own (next_alpha) since a wide step brings many samples at once."""
+
+    alphas: dict[int, float] = field(default_factory=dict)
+
+    def estimate(self, cls: int) -> float:
+        return 0.0 if cls == 0 else self.alphas.get(cls, PRIOR_ACCEPTANCE)
+
+    def observe(self, cls: int, sample: float) -> None:
+        """Learn from one drafted row of class `cls` whose acceptance_sample was `sample` (clipped as a row's)."""
+        if cls == 0:
+            return
+        alpha = self.estimate(cls)
+        self.alphas[cls] = alpha + CLASS_RATE * (min(ALPHA_MAX, max(0.05, sample)) - alpha)
 
 
 def expected_accepted(alpha: float, depth: int) -> float:
@@ -425,18 +452,19 @@ class Policy:
         return [price * o / max(r, 1) if o > 0 else 0.0 for o, r in zip(self.owed, self.left)]
 
     def worth_drafting(self, alphas: list[float]) -> list[bool]:
-        """Which rows drafting could pay for this step: those that owe the drafter nothing, and those whose
-        catch-up per token left (owed_ms) is less than drafting at its best depth saves the row per token
-        (drafting_saves, at this batch size and with the overhead learned for it). A row that fails gets depth
-        0 and keeps owing: it is spared the catch-up that no speculation it has left would earn back. The
-        test prices each row as if all drafted, and a padded target's step as wide as the deepest row's: a
-        simple bound, not a joint optimum."""
+        """Which rows drafting could pay for this step: those for which drafting at their own acceptance and
+        best depth saves more per token (drafting_saves, at this batch size and with the overhead learned for
+        it) than their catch-up per token left costs (owed_ms; nothing for a row that owes nothing). A row that
+        fails gets depth 0 and keeps owing: it is spared the catch-up that no speculation it has left would earn
+        back, and a row whose draft is unlikely to be accepted (a low estimate, a weak draft class) does not
+        pull the depth of the others down. The test prices each row as if all drafted, and a padded target's
+        step as wide as the deepest row's: a simple bound, not a joint optimum."""
         rows = len(alphas)
-        owed = self.owed_ms(rows)
-        if self.table is None or not any(owed):
+        if self.table is None:
             return [True] * rows
+        owed = self.owed_ms(rows)
         over = self.overhead_ms.get(rows)
-        return [o == 0 or o < drafting_saves(self.table, rows, a, overhead_ms=over) for a, o in zip(alphas, owed)]
+        return [o < drafting_saves(self.table, rows, a, overhead_ms=over) for a, o in zip(alphas, owed)]
 
     def observe_catch_up(self, tokens: int, ms: float) -> None:
         """Learn what the drafter's catch-up costs per owed token from one the scheduler timed (`tokens` owed
@@ -467,10 +495,10 @@ class Policy:
 
 
 def _batching(name: str) -> Callable[[Policy, list[float]], list[int] | None]:
-    """The built-in policies. Each drafts only for the rows worth it (Policy.worth_drafting: their catch-up
-    repaid), at a uniform depth priced for those rows' mean acceptance and summed catch-up (owed_ms); budget
-    gives them all that depth, allocate and cap spread its nodes (or the recipe's budget, or the cap) over
-    them by acceptance. With nothing owed every row is worth it, as before catch-up was priced."""
+    """The built-in policies. Each drafts only for the rows worth it (Policy.worth_drafting: drafting pays at
+    their acceptance, catch-up included), at a uniform depth priced for those rows' mean acceptance and summed
+    catch-up (owed_ms); budget gives them all that depth, allocate and cap spread its nodes (or the recipe's
+    budget, or the cap) over them by acceptance."""
     def policy(p: Policy, alphas: list[float]) -> list[int] | None:
         if name == "fixed" or p.table is None:
             return None

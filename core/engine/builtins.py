@@ -71,10 +71,11 @@ register("acceptance", "greedy_fp32", AcceptanceRule(choices, accept_path, batch
 define_kind("batching", "batching.policy", '''
 fn(policy: core.engine.batching.Policy, alphas: list[float]) -> list[int] | None
 Per-row chain depths for one continuous-batching step (None = the recipe's tree unchanged). `alphas` are
-the rows' running acceptance estimates; `policy.table` prices steps (verify_ms(rows, tokens), draft[rows]),
-policy.node_budget / token_cap are the recipe's [batching] values. policy.owed / policy.left are the tokens
-each row owes the drafter and has left to generate; policy.worth_drafting(alphas) says which rows' catch-up
-drafting would repay (a row given depth 0 is not caught up).''', '''
+the rows' acceptance estimates (a row's own, or its draft class's where the drafter classes drafts);
+`policy.table` prices steps (verify_ms(rows, tokens), draft[rows]), policy.node_budget / token_cap are the
+recipe's [batching] values. policy.owed / policy.left are the tokens each row owes the drafter and has left to
+generate; policy.worth_drafting(alphas) says for which rows drafting would pay, catch-up included (a row given
+depth 0 is not caught up).''', '''
 from specpilot.core.mechanisms import register
 
 def confident(policy, alphas):

@@ -113,6 +113,13 @@ class Drafter(ABC):
         """Keep the KV blocks of what rows were fed in `cache` and start rows from them, as the target does with
         its own (None: keep none). A drafter without a KV cache (prompt lookup) has nothing to keep."""
 
+    def draft_class(self, row: int) -> int | None:
+        """The class of the draft row `row` would get now, where the drafter can tell before drafting how good it
+        is likely to be (prompt lookup: the length of the suffix it matched); 0 where it has nothing to propose.
+        A scheduler learns each class's acceptance across rows and prices the row's draft by it. None (the
+        default) where the drafter has no such signal: the row's own running estimate serves. Read-only."""
+        return None
+
     @property
     def kv_model(self) -> Transformer | None:
         """The model whose KV cache this drafter keeps per row (None: it keeps none, as prompt lookup): what a
@@ -433,6 +440,21 @@ class NgramDrafter(Drafter):
                 if end - n - 1 >= 0:
                     idx.setdefault(tuple(ctx[end - n - 1:end - 1]), []).append(end - 1)
 
+    def _match(self, row: int) -> tuple[int, list[int]]:
+        """The longest suffix of the row's context (n <= max_n) seen earlier in it, and where each earlier
+        occurrence's continuation starts; (0, []) if none."""
+        ctx = self.context[row]
+        for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
+            starts = self.index[row].get(tuple(ctx[-n:]))
+            if starts:
+                return n, starts
+        return 0, []
+
+    def draft_class(self, row: int) -> int:
+        """The length of the suffix the row's next draft continues (0: none): on the coding workload a
+        continuation of a 3-token match was accepted ~0.85 a token, of a 1-token match ~0.2."""
+        return self._match(row)[0]
+
     def draft(self, spec: TreeSpec, mode: DraftMode, active: list[bool]) -> list[DraftTree]:
         trees = []
         width = 1 if spec.kind == "static" else spec.topk
@@ -443,20 +465,15 @@ class NgramDrafter(Drafter):
             trees.append(tree)
             if not active[row]:
                 continue
-            for n in range(min(self.max_n, len(ctx) - 1), 0, -1):
-                starts = self.index[row].get(tuple(ctx[-n:]))
-                if not starts:
+            seen: set[tuple[int, ...]] = set()
+            for s in reversed(self._match(row)[1]):
+                cont = tuple(ctx[s:s + depth])
+                if not cont or cont in seen:
                     continue
-                seen: set[tuple[int, ...]] = set()
-                for s in reversed(starts):
-                    cont = tuple(ctx[s:s + depth])
-                    if not cont or cont in seen:
-                        continue
-                    seen.add(cont)
-                    self._insert(tree, cont, budget)
-                    if len(seen) >= width or len(tree) > budget:
-                        break
-                break
+                seen.add(cont)
+                self._insert(tree, cont, budget)
+                if len(seen) >= width or len(tree) > budget:
+                    break
         return trees
 
     @staticmethod

@@ -41,7 +41,8 @@ from typing import Callable
 
 import torch
 
-from specpilot.core.engine.batching import MAX_DEPTH, PRIOR_ACCEPTANCE, Policy, acceptance_sample, next_alpha
+from specpilot.core.engine.batching import (MAX_DEPTH, PRIOR_ACCEPTANCE, ClassAcceptance, Policy, acceptance_sample,
+                                            next_alpha)
 from specpilot.core.engine.decode import (AcceptanceRule, DraftLength, GenerateResult, GenerationError, StepStats,
                                           Verification, cache_room, commit_paths, draft_depth, drafter_room, emit,
                                           misfit, remember, sync, verify)
@@ -186,6 +187,8 @@ class Scheduler:
         self.on_step: Callable[[StepStats], None] | None = None  # e.g. a server's metrics: it keeps no history
         self._next_id = 0
         self._chain_specs: dict[int, TreeSpec] = {}
+        self.classes = ClassAcceptance()  # acceptance per draft class, for a drafter that classes its drafts
+        self._step_classes: list[int | None] = []  # this step's rows' draft classes (None: the row's estimate)
         if token_budget is not None and token_budget < 1:
             raise GenerationError(f"a step's token budget must be at least 1 token, not {token_budget}")
         self.token_budget = token_budget  # None: a queued prompt is prefilled whole when it is admitted
@@ -332,6 +335,7 @@ class Scheduler:
         drafts share it with the prompts waiting for their prefill: they may take what is left after every
         row's own token and the block a waiting prompt advances by, so a full step drafts only where
         acceptance is highest, and prefill never stalls behind speculation."""
+        self._step_classes = []
         if not self.speculative:
             return None
         if not self.rows:
@@ -343,7 +347,17 @@ class Scheduler:
                 cap -= min(self.token_budget, BLOCK)
         owed = [self.drafter.owed(b) for b in range(len(self.rows))]
         left = [self.requests[rid].limit - len(self.requests[rid].out) for rid in self.rows]
-        return self.policy.depths(self.running.alphas, cap, owed=owed, left=left)
+        return self.policy.depths(self._alphas(), cap, owed=owed, left=left)
+
+    def _alphas(self) -> list[float]:
+        """Each running row's acceptance estimate for this step: its draft class's (ClassAcceptance) where the
+        drafter classes the draft it would give the row now, else the row's own running estimate. A per-row
+        policy reads these, so a row whose next draft is weak, or empty, is priced as such."""
+        if not self.policy.per_row:
+            return self.running.alphas
+        self._step_classes = [self.drafter.draft_class(b) for b in range(len(self.rows))]
+        return [a if c is None else self.classes.estimate(c)
+                for a, c in zip(self.running.alphas, self._step_classes)]
 
     def _prefill(self, depths: list[int] | None) -> tuple[list[Event], int]:
         """Give waiting prompts rows and prefill them: whole without a token budget, else the chunks the budget
@@ -473,6 +487,8 @@ class Scheduler:
             if drafted:
                 seen = acceptance_sample(len(paths[b]), drafted)
                 rows.alphas[b] = next_alpha(rows.alphas[b], seen)
+                if b < len(self._step_classes) and self._step_classes[b] is not None:
+                    self.classes.observe(self._step_classes[b], seen)
             req = self.requests[rows.ids[b]]
             new, finish = emit(tokens, req.out, req.limit, self.eos)
             events.append(Event(rows.ids[b], new, finish))
