@@ -178,15 +178,17 @@ def test_a_rows_logits_do_not_depend_on_what_shares_its_pass(q8):
 def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, monkeypatch):
     """Rows with fewer real tokens than the step is wide (verify's `sizes`), one of them 640 tokens into its
     context: the q8 target multiplies the real ones alone, and their logits and cache slots are the padded
-    step's bit for bit, the row's own alone and a prefill's, on 1 or 2 threads; the padding's logits are zeros."""
+    step's bit for bit, the row's own alone and a prefill's, on 1 or 2 threads; the padding's logits are zeros.
+    Its attention skips the padding too: a padded query sees no slot, a real one what it sees padded."""
     m = q8.target
     assert m.ragged
     tokens = _long_context(q8, 700)
     starts = [640, 250, 40]
     step = torch.tensor([tokens[s:s + 3] for s in starts])
-    widths = []
-    real_linear = m.lm_head
+    widths, seen = [], []
+    real_linear, real_attention = m.lm_head, m.attention
     monkeypatch.setattr(m, "lm_head", lambda x: widths.append(x.shape[0]) or real_linear(x))
+    monkeypatch.setattr(m, "attention", lambda q, k, v, s: seen.append(s.visible) or real_attention(q, k, v, s))
 
     prefilled = m.new_cache(3, 700)
     for row, s in enumerate(starts):
@@ -200,11 +202,17 @@ def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, mon
                      torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(3, 3, 3), sizes=sizes)
         return out, cache
 
+    seen.clear()
     padded, padded_cache = run(None)
     widths.clear()
+    sees = seen[0]
+    seen.clear()
     sizes = [3, 1, 2]
     ragged, ragged_cache = run(sizes)
     assert widths == [sum(sizes)]  # the LM head saw the real tokens alone
+    assert len(seen) == len(m.layers) and sees[:, :, :650].any(-1).all()
+    for row, n in enumerate(sizes):
+        assert torch.equal(seen[0][row, :n], sees[row, :n]) and not seen[0][row, n:].any()
     for row, n in enumerate(sizes):
         assert torch.equal(ragged[row, :n], padded[row, :n])
         assert not ragged[row, n:].any()

@@ -208,6 +208,15 @@ class StepInputs:
             self._visible = self.mask[:, 0] == 0
         return self._visible
 
+    def skip_padding(self, real: torch.Tensor) -> None:
+        """Let the queries that are padding (`real` [B, T] False) see no slot: the fixed-order attention then
+        skips them (their output is NaN, and dropped, as their projections are). Padded, a row of one token
+        beside a row of five attended to its whole context five times: at 4 rows on the Xeon, one row drafting
+        4 tokens cost 235 ms against 207 for every row drafting 1, the same 8 tokens. SDPA reads `mask`, which
+        is unchanged; a real query's visible slots are unchanged, and so are its bits."""
+        if self.mask is not None:
+            self._visible = self.visible & real[:, :, None]
+
 
 def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
     """torch's attention (the f32 numerics): its blocking may depend on the call's shape."""
@@ -354,6 +363,8 @@ class Transformer:
             y = linear(h[real])
             return y.new_zeros(B, T, y.shape[-1]).index_put_((real,), y)
 
+        if real is not None:
+            step.skip_padding(real)
         x = F.embedding(step.tokens, self.embed)
         span = step.span
         for i, layer in enumerate(self.layers):
