@@ -76,7 +76,7 @@ def _scheduler(engine, speculative: bool, **options) -> Scheduler:
 
 
 @pytest.mark.parametrize("speculative", [False, True])
-@pytest.mark.parametrize("budget,cache_bytes", [(None, 0), (5, 0), (64, 0), (37, 1 << 24), (None, 1 << 24)])
+@pytest.mark.parametrize("budget,cache_bytes", [(None, 0), (5, 0), (37, 1 << 24), (None, 1 << 24)])
 def test_budgets_and_the_prefix_cache_give_q8_plain_decodings_tokens(q8, shared, speculative, budget, cache_bytes):
     prompts, limits, reference = shared
     sched = _scheduler(q8, speculative, token_budget=budget, prefix_cache_bytes=cache_bytes)
