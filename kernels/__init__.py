@@ -18,7 +18,7 @@ from pathlib import Path
 
 if __name__ == "kernels":
     # Imported by its folder's name: the checkout's root is on sys.path (python run from it) and something asked
-    # for Hugging Face's `kernels` (transformers >= 5.25 imports it). This folder is `specpilot.kernels`, never a
+    # for Hugging Face's `kernels` (transformers checks for it). This folder is `specpilot.kernels`, never a
     # top-level module: hand the name to the package it stands in front of, found on the rest of sys.path, or
     # to an empty namespace.
     import importlib.machinery
