@@ -231,10 +231,15 @@ def acceptance_sample(accepted: int, drafted: int) -> float:
     return accepted / tested
 
 
+def clipped(sample: float) -> float:
+    """An acceptance sample as the estimates take it: within [0.05, ALPHA_MAX]."""
+    return min(ALPHA_MAX, max(0.05, sample))
+
+
 def next_alpha(alpha: float, sample: float) -> float:
     """A row's acceptance estimate after one drafted step whose sample (acceptance_sample) was `sample`: a moving
-    average, each sample clipped to [0.05, ALPHA_MAX]."""
-    return 0.7 * alpha + 0.3 * min(ALPHA_MAX, max(0.05, sample))
+    average of clipped samples."""
+    return 0.7 * alpha + 0.3 * clipped(sample)
 
 
 @dataclass
@@ -256,7 +261,7 @@ class ClassAcceptance:
         if cls == 0:
             return
         alpha = self.estimate(cls)
-        self.alphas[cls] = alpha + CLASS_RATE * (min(ALPHA_MAX, max(0.05, sample)) - alpha)
+        self.alphas[cls] = alpha + CLASS_RATE * (clipped(sample) - alpha)
 
 
 def expected_accepted(alpha: float, depth: int) -> float:

@@ -199,6 +199,7 @@ class StepInputs:
             mask = torch.zeros(B, 1, T, self.span, dtype=model.dtype, device=tokens.device)
             self.mask = mask.masked_fill_(~allowed[:, None], torch.finfo(model.dtype).min)
         self._visible: torch.Tensor | None = None
+        self._real: torch.Tensor | None = None
 
     @property
     def visible(self) -> torch.Tensor | None:
@@ -206,6 +207,8 @@ class StepInputs:
         per step, on first use."""
         if self._visible is None and self.mask is not None:
             self._visible = self.mask[:, 0] == 0
+            if self._real is not None:
+                self._visible &= self._real[:, :, None]
         return self._visible
 
     def skip_padding(self, real: torch.Tensor) -> None:
@@ -213,9 +216,9 @@ class StepInputs:
         skips them (their output is NaN, and dropped, as their projections are). Padded, a row of one token
         beside a row of five attended to its whole context five times: at 4 rows on the Xeon, one row drafting
         4 tokens cost 235 ms against 207 for every row drafting 1, the same 8 tokens. SDPA reads `mask`, which
-        is unchanged; a real query's visible slots are unchanged, and so are its bits."""
-        if self.mask is not None:
-            self._visible = self.visible & real[:, :, None]
+        is unchanged (and `visible` is built only for the attention that reads it); a real query's visible slots
+        are unchanged, and so are its bits."""
+        self._real, self._visible = real, None
 
 
 def sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, step: StepInputs) -> torch.Tensor:
