@@ -44,6 +44,40 @@ def test_speculative_equals_autoregressive(engine, draft, policy, batch):
     assert all(a <= max_depth + 1 for s in spec.steps for a in s.accepted)
 
 
+def test_packed_rules_choose_what_the_padded_ones_do():
+    """A ragged verify hands a rule the real nodes' logits alone ([N, V], row by row): greedy, seeded and a
+    mixed step choose at every real node what they choose from the padded [B, T, V], ties included (logits of
+    few distinct values), and never read the padding (garbage here)."""
+    from specpilot.core.engine.decode import Verification
+    from specpilot.core.engine.scheduler import mixed_rule
+    from specpilot.core.engine.tree import DraftTree
+    from specpilot.core.mechanisms import lookup
+
+    gen = torch.Generator().manual_seed(7)
+    sizes, T, V = [4, 1, 3], 4, 50
+    padded = torch.randint(0, 4, (3, T, V), generator=gen).float()
+    real = torch.arange(T)[None, :] < torch.tensor(sizes)[:, None]
+    padded[~real] = torch.randn(int((~real).sum()), V, generator=gen) * 100
+    trees = []
+    for b, n in enumerate(sizes):
+        tree = DraftTree.root(b)
+        for i in range(1, n):
+            tree.add(10 + i, i - 1)
+        trees.append(tree)
+    req, lengths = torch.tensor([5, 6, 7]), [10, 20, 30]
+    greedy, seeded = Verification(), Verification("seeded", 0.8, 0.9, 3)
+    rules = [(lookup("acceptance", "greedy"), greedy), (lookup("acceptance", "seeded"), seeded),
+             (mixed_rule([greedy, seeded, greedy]), greedy)]
+    for rule, ver in rules:
+        assert rule.packed is not None
+        full = rule.choices(padded, trees, ver, req, lengths)
+        packed = rule.packed(padded[real], trees, ver, req, lengths)
+        assert packed == [row[:n] for row, n in zip(full, sizes)]
+    assert rules[0][0].choices(padded, trees, greedy, req, lengths) != rules[1][0].choices(padded, trees, seeded,
+                                                                                          req, lengths)
+    assert lookup("acceptance", "rejection").packed is None  # it reads whole rows of probabilities: padded
+
+
 def test_model_drafter_is_accepted_and_cache_matches_fresh_prefill(engine):
     """After every step, each running row's cache holds exactly what a fresh prefill of its committed tokens
     (the prompt, then every emitted token but the pending root) writes."""

@@ -98,6 +98,14 @@ def test_ragged_steps_compute_only_the_real_tokens(pair_engine, one_thread):
         torch.testing.assert_close(caches[1].k[:, b, :, :base + n], caches[0].k[:, b, :, :base + n],
                                    rtol=1e-5, atol=1e-5)
         assert not caches[1].k[:, b, :, base + n:].any() and (n == 7 or caches[0].k[:, b, :, base + n:].any())
+    real = torch.arange(7)[None, :] < torch.tensor(sizes)[:, None]
+    for m, padded in ((torch_path, out[0]), (fused, out[1])):  # `packed`: the real tokens' logits alone, in row order
+        cache = m.new_cache(3, 40)
+        for row, prompt in enumerate(prompts):
+            m.prefill_row(cache, row, prompt)
+        with torch.inference_mode():
+            packed = m.step(tokens, cache, cache.lengths, depths, anc, sizes=sizes, packed=True)
+        assert packed.shape == (sum(sizes), padded.shape[-1]) and torch.equal(packed, padded[real])
 
 
 def test_wide_steps_take_the_torch_path_and_agree(pair_engine, one_thread):

@@ -194,12 +194,12 @@ def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, mon
     for row, s in enumerate(starts):
         m.prefill_row(prefilled, row, tokens[:s])
 
-    def run(sizes):
+    def run(sizes, packed=False):
         cache = m.new_cache(3, 700)
         for mine, theirs in ((cache.k, prefilled.k), (cache.v, prefilled.v), (cache.lengths, prefilled.lengths)):
             mine.copy_(theirs)
         out = m.step(step, cache, cache.lengths.clone(), torch.arange(3).expand(3, 3),
-                     torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(3, 3, 3), sizes=sizes)
+                     torch.tril(torch.ones(3, 3, dtype=torch.bool)).expand(3, 3, 3), sizes=sizes, packed=packed)
         return out, cache
 
     seen.clear()
@@ -221,6 +221,9 @@ def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, mon
         assert torch.equal(ragged_cache.v[:, row, :, :at + n], padded_cache.v[:, row, :, :at + n])
     full, _ = _prefill_logits(m, tokens[:643])
     assert torch.equal(ragged[0], full[640:643])  # the same positions prefilled at once, 640 tokens in
+    packed, packed_cache = run(sizes, packed=True)  # the real tokens' logits alone, [N, V] in row order
+    assert torch.equal(packed, torch.cat([padded[row, :n] for row, n in enumerate(sizes)]))
+    assert torch.equal(packed_cache.k, ragged_cache.k) and torch.equal(packed_cache.v, ragged_cache.v)
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

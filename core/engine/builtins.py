@@ -202,8 +202,8 @@ def _rule(name: str) -> Any:
     from specpilot.core.engine.tree import accept_path, accept_rejection
 
     rules = {
-        "greedy": decode.AcceptanceRule(decode.greedy_choices, accept_path, batched=True),
-        "seeded": decode.AcceptanceRule(decode.seeded_choices, accept_path, batched=True),
+        "greedy": decode.AcceptanceRule(decode.greedy_choices, accept_path, True, decode.greedy_packed),
+        "seeded": decode.AcceptanceRule(decode.seeded_choices, accept_path, True, decode.seeded_packed),
         "rejection": decode.AcceptanceRule(decode.rejection_choices, accept_rejection),
     }
     return rules[name]

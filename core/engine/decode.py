@@ -118,6 +118,7 @@ class Verification:
 
 
 Choices = Callable[[torch.Tensor, list[DraftTree], "Verification", torch.Tensor, list[int]], list]
+PackedChoices = Choices  # the same, from the real nodes' logits alone: [N, V], each row's len(tree) nodes in turn
 Accept = Callable[[DraftTree, object, torch.Generator], tuple[list[int], int]]
 DraftLength = Callable[[int, list[int]], int]
 
@@ -126,11 +127,14 @@ DraftLength = Callable[[int, list[int]], int]
 class AcceptanceRule:
     """How verification decides: `choices` turns the target's logits [B, T, V] over every row's tree into
     a per-row choice (ids, probabilities, ...); `accept` walks one row's tree with its choice and returns
-    the accepted node path and the bonus token. `batched`: continuous batching may serve it."""
+    the accepted node path and the bonus token. `batched`: continuous batching may serve it. `packed`, where
+    given, makes the same choices (each row's list as long as its tree) from the real nodes' logits alone,
+    [N, V] in row order: verify then never builds the padded [B, T, V] of rows of mixed depths."""
 
     choices: Choices
     accept: Accept
     batched: bool = False
+    packed: PackedChoices | None = None
 
 
 def sync(device: torch.device | str) -> None:
@@ -182,11 +186,21 @@ def draft_depth(draft_length: DraftLength, depth: int, recent: list[int]) -> int
 def verify(target: Transformer, cache, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
            lengths: list[int], rule: AcceptanceRule | None = None) -> list:
     """One target forward over every row's tree; the target's choice at every node (by the recipe's rule)."""
+    rule = rule or lookup("acceptance", ver.sampling)
     tokens, depths, anc = batch_tensors(trees, target.device)
     B, T = tokens.shape
     logits = target.step(tokens, cache, cache.lengths, depths, None if B == 1 and T == 1 else anc,
-                         sizes=[len(t) for t in trees])
-    return (rule or lookup("acceptance", ver.sampling)).choices(logits, trees, ver, req, lengths)
+                         sizes=[len(t) for t in trees], packed=rule.packed is not None)
+    return (rule.choices if rule.packed is None else rule.packed)(logits, trees, ver, req, lengths)
+
+
+def by_row(flat: list, trees: list[DraftTree]) -> list[list]:
+    """Per-node values in row order (a packed verify's) split into each row's list, as long as its tree."""
+    out, at = [], 0
+    for t in trees:
+        out.append(flat[at:at + len(t)])
+        at += len(t)
+    return out
 
 
 def commit_paths(cache, rows: list[int], paths: list[list[int]], lengths: list[int]) -> None:
@@ -204,6 +218,12 @@ def greedy_choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verificati
     return logits.argmax(-1).tolist()
 
 
+def greedy_packed(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+                  lengths: list[int]) -> list:
+    """greedy_choices from the real nodes' logits [N, V]."""
+    return by_row(logits.argmax(-1).tolist(), trees)
+
+
 def rejection_choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
                       lengths: list[int]) -> list:
     """The target's filtered probabilities at every node, per row."""
@@ -219,3 +239,12 @@ def seeded_choices(logits: torch.Tensor, trees: list[DraftTree], ver: Verificati
     scores = seeded_scores(logits.reshape(B * T, V), ver.temperature, ver.top_p, ver.seed,
                            req[:, None].expand(B, T).reshape(-1), positions.reshape(-1))
     return scores.argmax(-1).view(B, T).tolist()
+
+
+def seeded_packed(logits: torch.Tensor, trees: list[DraftTree], ver: Verification, req: torch.Tensor,
+                  lengths: list[int]) -> list:
+    """seeded_choices from the real nodes' logits [N, V]."""
+    positions = torch.tensor([lengths[b] + d + 1 for b, t in enumerate(trees) for d in t.depths])
+    requests = torch.cat([req[b:b + 1].expand(len(t)) for b, t in enumerate(trees)])
+    scores = seeded_scores(logits, ver.temperature, ver.top_p, ver.seed, requests, positions)
+    return by_row(scores.argmax(-1).tolist(), trees)

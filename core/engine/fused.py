@@ -107,18 +107,24 @@ class FusedTransformer(Transformer):
 
     def step(self, tokens: torch.Tensor, cache: KVCache, base: torch.Tensor, depths: torch.Tensor,
              ancestors: torch.Tensor | None, offset: int = 0,
-             logits_at: torch.Tensor | None = None, sizes: list[int] | None = None) -> torch.Tensor | None:
+             logits_at: torch.Tensor | None = None, sizes: list[int] | None = None,
+             packed: bool = False) -> torch.Tensor | None:
         """As Transformer.step; steps of up to the skinny row limit run the C layers. With `sizes` (real
         tokens per row, each a prefix of its T) the padding is neither computed nor written to the cache, and
-        its logits are zeros."""
+        its logits are zeros (or, `packed`, left out: [N, V])."""
         B, T = tokens.shape
         if sizes is not None and (sum(sizes) == B * T or logits_at is not None):
             sizes = None
         rows = B * T if sizes is None else sum(sizes)
         k, v = cache.k, cache.v
-        packed = k.stride(4) == 1 and k.stride(3) == k.shape[4] and k.stride(2) == k.shape[3] * k.shape[4]
-        if rows > self._rows or not packed:
-            return super().step(tokens, cache, base, depths, ancestors, offset, logits_at)
+        dense_cache = k.stride(4) == 1 and k.stride(3) == k.shape[4] and k.stride(2) == k.shape[3] * k.shape[4]
+        if rows > self._rows or not dense_cache:  # the torch path, padded: wide products may block by row count
+            out = super().step(tokens, cache, base, depths, ancestors, offset, logits_at)
+            if not packed or logits_at is not None:
+                return out
+            if sizes is None:
+                return out.reshape(B * T, -1)
+            return out[torch.arange(T)[None, :] < torch.tensor(sizes)[:, None]]
         c = self.cfg
         base = base.to(torch.long).contiguous()
         positions = (base[:, None] + depths).to(torch.long).contiguous()
@@ -147,6 +153,8 @@ class FusedTransformer(Transformer):
             fused_layer(ctypes.byref(params), step_ref, x.data_ptr(), k_at + i * layer_stride, v_at + i * layer_stride)
         if valid is not None:
             logits = self.lm_head(self._norm(x, self.norm))
+            if packed:
+                return logits
             out = logits.new_zeros(B, T, logits.shape[-1])
             out[valid] = logits
             return out
@@ -154,4 +162,5 @@ class FusedTransformer(Transformer):
             if logits_at.numel() == 0:
                 return None
             x = x.gather(1, logits_at[:, :, None].expand(-1, -1, x.shape[-1]))
-        return self.lm_head(self._norm(x, self.norm))
+        logits = self.lm_head(self._norm(x, self.norm))
+        return logits.reshape(B * T, -1) if packed and logits_at is None else logits

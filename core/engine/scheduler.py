@@ -132,15 +132,30 @@ def mixed_rule(vers: list[Verification]) -> AcceptanceRule:
                               "from separate schedulers")
 
     def choices(logits: torch.Tensor, trees: list, ver: Verification, req: torch.Tensor, lengths: list[int]) -> list:
+        return each(trees, req, lengths, lambda rule: rule.choices, lambda rows: logits[rows])
+
+    def packed(logits: torch.Tensor, trees: list, ver: Verification, req: torch.Tensor, lengths: list[int]) -> list:
+        starts = [0]
+        for t in trees:
+            starts.append(starts[-1] + len(t))
+
+        def nodes(rows: list[int]) -> torch.Tensor:
+            return logits[torch.cat([torch.arange(starts[b], starts[b + 1]) for b in rows])]
+
+        return each(trees, req, lengths, lambda rule: rule.packed, nodes)
+
+    def each(trees: list, req: torch.Tensor, lengths: list[int],
+             how: Callable[[AcceptanceRule], Callable], take: Callable[[list[int]], torch.Tensor]) -> list:
         out: list = [None] * len(trees)
         for v, rule in rules.items():
             rows = [b for b, w in enumerate(vers) if w == v]
-            picked = rule.choices(logits[rows], [trees[b] for b in rows], v, req[rows], [lengths[b] for b in rows])
+            picked = how(rule)(take(rows), [trees[b] for b in rows], v, req[rows], [lengths[b] for b in rows])
             for b, c in zip(rows, picked):
                 out[b] = c
         return out
 
-    return AcceptanceRule(choices, accepts.pop(), batched=True)
+    every_packed = all(rule.packed is not None for rule in rules.values())
+    return AcceptanceRule(choices, accepts.pop(), True, packed if every_packed else None)
 
 
 class Scheduler:
