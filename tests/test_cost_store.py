@@ -82,6 +82,7 @@ def test_the_identity_separates_what_changes_a_price(tiny_pair):
     b = engine._cost_identity(CostKey("native", False, "same", "native", "model", 0), target)
     assert cost_store.path_for(a) != cost_store.path_for(b)
     assert a["cpu"] == cost_store.cpu_model() and a["threads"] >= 1 and a["numerics"] == "f32"
+    assert a["code"] == cost_store.step_code() and len(a["code"]) == 16  # the sources a step runs, digested
 
 
 def test_serve_reads_its_kept_costs_on_the_second_start_and_remeasures_when_asked(monkeypatch, tmp_path):

@@ -2,14 +2,16 @@
 
 Measuring a recipe's step costs (batching.measure_costs) takes minutes on a CPU, and the answer depends only on
 what runs and where: the target and drafter files, the numerics and dtype, the recipe's weight formats, linear
-backend and drafter, the device and its model (the GPU's, or the CPU's) and the thread count. Those are the
-identity a table is kept under, as JSON in `$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/
+backend and drafter, the device and its model (the GPU's, or the CPU's), the thread count, and the code a step
+runs (a digest of the engine's and kernels' sources: a change to how a step computes can change its price, and a
+table measured before it is stale). Those are the identity a table is kept under, as JSON in `$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/
 folder). A table that is missing, unreadable or corrupt is measured again and rewritten, never trusted;
 `specpilot serve --remeasure` measures again on purpose.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -46,6 +48,18 @@ def device_name(device: str) -> str:
     if str(device).startswith("cuda"):
         return torch.cuda.get_device_name(device)
     return cpu_model()
+
+
+@functools.lru_cache(maxsize=1)
+def step_code() -> str:
+    """A digest of the sources a step runs (core/engine's Python, the CPU kernels' C and Python), so that a
+    table measured by other code is measured again rather than trusted."""
+    root = Path(__file__).resolve().parents[2]
+    digest = hashlib.sha256()
+    for path in sorted([*(root / "core" / "engine").glob("*.py"), *(root / "kernels" / "cpu").glob("*.[ch]"),
+                        *(root / "kernels" / "cpu").glob("*.py")]):
+        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
 
 
 def path_for(identity: dict) -> Path:

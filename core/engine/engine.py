@@ -284,7 +284,7 @@ class Engine:
         files = [str(Path(p).resolve()) if p else None for p in (self.target_dir, self.drafter_dir)]
         return {"target": files[0], "drafter": files[1], "numerics": self.numerics, "dtype": str(target.dtype),
                 "device": str(target.device), "recipe": list(astuple(key)), "cpu": cost_store.device_name(str(target.device)),
-                "threads": torch.get_num_threads(), "torch": torch.__version__}
+                "threads": torch.get_num_threads(), "torch": torch.__version__, "code": cost_store.step_code()}
 
     def serve(self, prompts: list[list[int]], limits: list[int], recipe: Recipe | None, max_batch: int,
               table: CostTable | None = None, request_ids: list[int] | None = None,
