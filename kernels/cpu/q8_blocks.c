@@ -61,6 +61,12 @@ enum { Q8_FORMATS(X_ENUM) T_LIMIT = 15 };
 #define AMX_MIN_ROWS 16  /* activation rows from which a product takes the AMX tiles where the CPU has them: below, building
                          * the tiles' codes costs more than the VNNI dots (1.5B target, one Xeon core: equal at 16 rows,
                          * 1.3x faster at 32, 1.5x at 128) */
+#define TAIL_ROWS 4      /* on the AMX path, rows past a whole group of PASS that take the VNNI dots on the chunk the tiles
+                          * decoded rather than start another group, whose tile products cost the same for 1 row as for
+                          * 16 (one Xeon core, 1.5B target: 17 rows cost 1.20x 16 on a second group, 1.08x so; break-even
+                          * at 5) */
+#define STRETCH_ROWS 8   /* on the other paths, rows past a whole pass that stretch it rather than start another pass over
+                          * the weights (17 rows were two passes, 1.30x 16, and are one, 1.07x) */
 
 typedef struct {
     const char *name;
@@ -98,6 +104,7 @@ typedef struct {
     long ldy, tile_lo, tile_hi;
     int amx;          /* the pass runs on AMX tiles (uses_amx) */
     const int8_t *xt; /* AMX: the activations tile by tile (amx_layout) */
+    long mt;          /* AMX: the rows on the tiles (the first mt; the rest, TAIL_ROWS at most, take the VNNI dots) */
 } job_t;
 
 int q8_supported(int qtype) { return qtype >= 0 && qtype < T_LIMIT && TRAITS[qtype].name; }
@@ -369,10 +376,10 @@ static int8_t *amx_layout(const int8_t *q, long m, long k) {
     return xt;
 }
 
-/* One pass: m activation rows (PASS at most, any number on AMX: xt their amx_layout, else NULL) against every
- * weight row, the tiles shared among `threads`. Returns 0, or -1 out of memory. */
-static int run_pass(const xrow_t *x, const int8_t *xt, long m, long k, const uint8_t *w, const uint8_t *rp, long n,
-                    long row_bytes, int qtype, float *y, long ldy, int threads) {
+/* One pass: m activation rows (PASS + STRETCH_ROWS at most, any number on AMX: xt the amx_layout of the first mt,
+ * else NULL) against every weight row, the tiles shared among `threads`. Returns 0, or -1 out of memory. */
+static int run_pass(const xrow_t *x, const int8_t *xt, long m, long mt, long k, const uint8_t *w, const uint8_t *rp,
+                    long n, long row_bytes, int qtype, float *y, long ldy, int threads) {
     int wide = xt || q8_isa(-1) >= 1;
     long lanes = wide ? 16 : 8, tiles = (n + lanes - 1) / lanes, block = TRAITS[qtype].block;
     long chunk_bytes = TRAITS[qtype].bytes * (QA / block);
@@ -386,7 +393,7 @@ static int run_pass(const xrow_t *x, const int8_t *xt, long m, long k, const uin
     for (int t = 0; t < threads; t++)
         jobs[t] = (job_t){x, m, k, (k + QA - 1) / QA, w, n, row_bytes, chunk_bytes, rp, rp ? n / 16 : 0,
                           rp_chunk(qtype), qtype, y, ldy, tiles * t / threads, tiles * (t + 1) / threads,
-                          xt != NULL, xt};
+                          xt != NULL, xt, mt};
     int (*body)(const job_t *) = wide ? run_tiles_512 : run_tiles_256;
     /* on the process's OpenMP team: torch's own threads, as gguf_blocks.c does */
 #pragma omp parallel for num_threads(threads) schedule(static, 1) if (threads > 1)
@@ -398,7 +405,9 @@ static int run_pass(const xrow_t *x, const int8_t *xt, long m, long k, const uin
 
 /* y[m, n] (row stride ldy) = the q8 product of quantised activations (q [m, k], d [m, ceil(k / 256)], bsums
  * [m, k / 16], as q8_quantize writes them) and W, n stored rows of row_bytes in format qtype; rp: W's
- * repacked layout (q8_repack) or NULL. Neither is written. Rows past PASS take further passes (not on AMX).
+ * repacked layout (q8_repack) or NULL. Neither is written. Rows past PASS take further passes, but for a last
+ * STRETCH_ROWS or fewer, which join the pass before them (on AMX, every row is one pass: whole groups of PASS rows on
+ * the tiles, and a last TAIL_ROWS or fewer on the VNNI dots).
  * Returns 0, or -1 for bad arguments or no memory. */
 int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, long k, const uint8_t *w,
               const uint8_t *rp, long n, long row_bytes, int qtype, float *y, long ldy, int threads) {
@@ -407,18 +416,19 @@ int q8_matmul(const int8_t *q, const float *d, const int32_t *bsums, long m, lon
         return -1;
     if (m == 0 || n == 0) return 0;
     int amx = uses_amx(m, qtype); /* decided once: another thread may change the path meanwhile */
-    long nblk = (k + QA - 1) / QA, pass = amx ? m : PASS; /* AMX: every row in one pass */
+    long nblk = (k + QA - 1) / QA, pass = amx ? m : PASS + STRETCH_ROWS; /* AMX: every row in one pass */
+    long tail = m % PASS, mt = amx && m > PASS && tail <= TAIL_ROWS ? m - tail : m;
     int32_t *aux = malloc(sizeof(int32_t) * m * (k / 16));
     xrow_t *x = malloc(sizeof(xrow_t) * pass);
-    int8_t *xt = amx ? amx_layout(q, m, k) : NULL;
+    int8_t *xt = amx ? amx_layout(q, mt, k) : NULL;
     int rc = aux && x && (xt || !amx) ? 0 : -1;
-    for (long m0 = 0; m0 < m && !rc; m0 += pass) {
-        long rows = m - m0 < pass ? m - m0 : pass;
+    for (long m0 = 0, rows; m0 < m && !rc; m0 += rows) {
+        rows = amx || m - m0 <= PASS + STRETCH_ROWS ? m - m0 : PASS;
         for (long i = 0; i < rows; i++) {
             act_table(qtype, bsums + (m0 + i) * (k / 16), k, aux + (m0 + i) * (k / 16));
             x[i] = (xrow_t){q + (m0 + i) * k, d + (m0 + i) * nblk, aux + (m0 + i) * (k / 16)};
         }
-        rc = run_pass(x, xt, rows, k, w, rp, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
+        rc = run_pass(x, xt, rows, amx ? mt : rows, k, w, rp, n, row_bytes, qtype, y + m0 * ldy, ldy, threads);
     }
     free(aux);
     free(x);
@@ -936,8 +946,9 @@ INL void dot_b32(int qtype, const scratch_t *s, const xrow_t *x, long c, int nb,
 #else
 #define WIDE_CASES(CALL)
 #endif
-#define EACH_GROUP(CALL)                                                                                       \
-    for (long r0 = 0; r0 < j->m; r0 += GROUP) {                                                                \
+#define EACH_GROUP(CALL) EACH_GROUP_FROM(0, CALL)
+#define EACH_GROUP_FROM(FIRST, CALL)                                                                           \
+    for (long r0 = (FIRST); r0 < j->m; r0 += GROUP) {                                                          \
         const xrow_t *x = j->x + r0;                                                                           \
         vf *yy = y + r0;                                                                                       \
         switch (j->m - r0 < GROUP ? j->m - r0 : GROUP) {                                                       \
@@ -1098,7 +1109,7 @@ typedef struct {
 } amx_group_t;
 
 INL amx_group_t amx_group(const job_t *j, long g) {
-    return (amx_group_t){g * PASS, j->m - g * PASS < PASS ? j->m - g * PASS : PASS};
+    return (amx_group_t){g * PASS, j->mt - g * PASS < PASS ? j->mt - g * PASS : PASS};
 }
 /* row m of a group in the sums of sub-block i, stored at cb */
 #define C_ROW(cb, i, m) vload((const char *)((cb) + 256 * (i) + 16 * (m)))
@@ -1117,7 +1128,7 @@ INL amx_group_t amx_group(const job_t *j, long g) {
             if (u > 0) FINISH(u - 1, s->cbuf + 1024 * ((u - 1) % 2));                                          \
         }                                                                                                      \
     } while (0)
-#define GROUPS ((j->m + PASS - 1) / PASS)
+#define GROUPS ((j->mt + PASS - 1) / PASS)
 
 /* a lane's 4 code bytes (each below 16) times the lane's factor f (below 16; f | f << 16 in each lane): the
  * products, each below 256, as bytes */
@@ -1274,6 +1285,25 @@ static void amx_b32(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s, 
 #undef ISSUE
 #undef FINISH
 }
+
+/* The rows past the tiles' (j->mt on), on the VNNI dots, from the chunk the tile pass just decoded: kept out of
+ * line, as the tile functions' code is (inlined into them, it ran their 16-row passes 5% slower). */
+static __attribute__((noinline)) void amx_tail(const job_t *j, long c, scratch_t *s, vf *y) {
+    if (j->qtype == T_Q4_K) {
+#define CALL(G) dot_q4_k(s, x, c, yy, G)
+        EACH_GROUP_FROM(j->mt, CALL)
+#undef CALL
+    } else if (j->qtype == T_Q6_K) {
+#define CALL(G) dot_q6_k(s, x, c, yy, G)
+        EACH_GROUP_FROM(j->mt, CALL)
+#undef CALL
+    } else {
+        const int qt = j->qtype, nb = (int)((j->k - QA * c < QA ? j->k - QA * c : QA) / 32);
+#define CALL(G) dot_b32(qt, s, x, c, nb, yy, G)
+        EACH_GROUP_FROM(j->mt, CALL)
+#undef CALL
+    }
+}
 #undef C_ROW
 #undef AMX_X
 #undef GROUPS
@@ -1311,7 +1341,7 @@ static int SFX(run_tiles)(const job_t *j) {
 #if Q8_ISA == 512
     if (j->amx) {
         fn = j->qtype == T_Q4_K ? amx_q4_k : j->qtype == T_Q6_K ? amx_q6_k : amx_b32;
-        amx_config(j->m < PASS ? j->m : PASS, j->qtype == T_Q6_K ? 16 : j->qtype == T_Q4_K ? 64 : 32);
+        amx_config(j->mt < PASS ? j->mt : PASS, j->qtype == T_Q6_K ? 16 : j->qtype == T_Q4_K ? 64 : 32);
     }
 #endif
     pf_t pf = {.t = -1};
@@ -1319,7 +1349,12 @@ static int SFX(run_tiles)(const job_t *j) {
     for (long t = j->tile_lo; t < j->tile_hi; t++) {
         SFX(tile_at)(j, t, &tl, &pf);
         for (long i = 0; i < j->m; i++) y[i] = (vf){0};
-        for (long c = 0; c < j->chunks; c++) fn(j, &tl, c, &s, y, &pf);
+        for (long c = 0; c < j->chunks; c++) {
+            fn(j, &tl, c, &s, y, &pf);
+#if Q8_ISA == 512
+            if (j->amx && j->mt < j->m) amx_tail(j, c, &s, y);
+#endif
+        }
         for (long i = 0; i < j->m; i++)
             for (int r = 0; r < LANES && t * LANES + r < j->n; r++) j->y[i * j->ldy + t * LANES + r] = y[i][r];
     }
@@ -1345,6 +1380,7 @@ static int SFX(run_tiles)(const job_t *j) {
 #undef NIB
 #undef WIDE_CASES
 #undef EACH_GROUP
+#undef EACH_GROUP_FROM
 #undef scratch_t
 #undef dot4
 #undef dot4w
