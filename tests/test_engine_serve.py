@@ -590,6 +590,26 @@ def test_a_ragged_target_drafts_for_few_rows_where_a_padded_one_would_not():
     assert best_uniform_depth(table, 4, 0.9, max_depth=2, drafting=1, ragged=True) == 2
 
 
+def test_the_first_drafted_token_of_a_wide_ragged_step_is_priced_as_measured():
+    """The Xeon's q8 at 16 rows: a plain step 279 ms, every row drafting one 419, one row drafting one 306 (the
+    kernel's tiles take 16 rows at a time). Interpolated by the mean, that token cost 9 ms; priced from the
+    measured step it costs 27, and the policy no longer drafts for two rows at 0.9 beside 14 with nothing."""
+    verify = {(16, t): 279.0 + 140.0 * (t - 1) for t in range(1, MAX_DEPTH + 2)}
+    interpolated, measured = CostTable(dict(verify)), CostTable(dict(verify), first={16: 306.0})
+    one = [1] + [0] * 15
+    assert interpolated.step_ms(one, ragged=True) == pytest.approx(279.0 + 140.0 / 16)
+    assert measured.step_ms(one, ragged=True) == 306.0
+    assert measured.step_ms([1] * 4 + [0] * 12, ragged=True) == pytest.approx(306.0 + 3 * (419.0 - 306.0) / 15)
+    assert measured.step_ms([1] * 16, ragged=True) == 419.0 and measured.step_ms([2] * 16, ragged=True) == 559.0
+    assert measured.step_ms(one, ragged=False) == 419.0  # padded: every row pays the deepest
+    assert measured.first_ms(12) == pytest.approx(verify[(16, 1)] * 12 / 16 + 27.0)  # the nearest one's extra
+    assert measured.first_ms(1) is None and interpolated.first_ms(16) is None
+    assert CostTable.from_dict(measured.to_dict()).first == {16: 306.0}
+    alphas = [0.9] * 2 + [0.0] * 14
+    assert Policy("budget", None, interpolated, ragged=True).depths(alphas)[:2] == [5, 5]
+    assert Policy("budget", None, measured, ragged=True).depths(alphas) == [0] * 16
+
+
 def test_a_drafter_forward_at_an_unmeasured_width_is_not_free():
     """The server measures steps at 1, 2, 4, 8 and 16 rows; at 7 rows a drafter forward costs about what it does
     between 4 and 8, not nothing. Priced free, the budget policy drafted (and caught up whole prompts) at 7 and 13

@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from specpilot.core.deployment import Deployment
 from specpilot.core.engine import Engine
 from specpilot.core.engine.numerics import NumericsError
 from specpilot.core.forcing import PlainDecoding, compare, force
@@ -231,6 +230,17 @@ def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, mon
     finally:
         torch.set_num_threads(before)
     assert torch.equal(two, ragged)
+
+
+def test_the_cost_table_times_one_drafted_token_on_a_ragged_target(q8):
+    """measure_costs on the q8 target also times the step where one row of several verifies one drafted token
+    (CostTable.first, what the policies price that token by); one row has no such step, and a padded target
+    none at all."""
+    from specpilot.core.engine.batching import measure_costs
+
+    table = measure_costs(q8.target, None, [1, 3], max_depth=1, context=16, repeats=1)
+    assert set(table.first) == {3} and table.first[3] > 0 and set(table.verify) == {(1, 1), (1, 2), (3, 1), (3, 2)}
+    assert not measure_costs(q8.drafter_model, None, [3], max_depth=1, context=16, repeats=1).first
 
 
 def test_served_steps_of_mixed_depths_equal_q8_plain_decoding(q8, ar):

@@ -12,9 +12,10 @@ name) decide each row's draft depth per step:
   cap       allocate under a cap on verified tokens per step at the bend of the cost curve.
 On a `ragged` target (runtime.linear = "fused", or any target under the q8 numerics, whose products of a token
 do not depend on the rest of the pass) verification computes only each row's real tree tokens, so a step of
-per-row depths d costs the table's forward at the mean tokens per row, not at the deepest row's; that is what
-lets allocate and cap give confident rows deeper drafts, and the budget policy draft for some rows only,
-without every row paying for them.
+per-row depths d costs the table's forward at its real tokens, not at the deepest row's: fewer drafted tokens
+than rows on the line from the measured step that drafts one (CostTable.first), more at the mean tokens per row;
+that is what lets allocate and cap give confident rows deeper drafts, and the budget policy draft for some rows
+only, without every row paying for them.
 A step's price is the table's forward and draft cost plus what real steps of that batch size and depth
 cost beyond it (verification around the forward, commit, bookkeeping, a cache that is not warm), which
 the policy measures as the run goes; a depth not yet tried is priced with the nearest one measured. Every
@@ -71,12 +72,16 @@ CATCH_UP_TOKENS = 64  # the run of tokens measure_costs feeds one drafter row to
 class CostTable:
     """Measured ms of a target forward of `rows x tokens`, of a drafter forward of `rows x 1`, and per token of
     a drafter forward fed a run of tokens in one row (`catch_up`: what ModelDrafter.catch_up does; None where
-    it was not measured, see `catch_up_ms`)."""
+    it was not measured, see `catch_up_ms`). On a ragged target also `first`: a forward of `rows` rows where one
+    row has 2 tokens, the step that drafts one token for one row. A kernel that multiplies rows in groups makes
+    that token cost more than its even share of the way to `rows x 2` (the Xeon's q8 at 16 rows: 27 ms against
+    9), and a policy that priced it by that share drafted a few tokens at a loss."""
 
     verify: dict[tuple[int, int], float] = field(default_factory=dict)
     draft: dict[int, float] = field(default_factory=dict)
     source: str = ""  # where the prices came from, said to the user: measured now, or the file they were read from
     catch_up: float | None = None
+    first: dict[int, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """The prices as JSON-able lists (core/engine/cost_store.py keeps them per deployment)."""
@@ -84,6 +89,8 @@ class CostTable:
                      "draft": [[r, ms] for r, ms in sorted(self.draft.items())]}
         if self.catch_up is not None:
             out["catch_up"] = self.catch_up
+        if self.first:
+            out["first"] = [[r, ms] for r, ms in sorted(self.first.items())]
         return out
 
     @classmethod
@@ -94,12 +101,13 @@ class CostTable:
             verify = {(int(r), int(t)): float(ms) for r, t, ms in data["verify"]}
             draft = {int(r): float(ms) for r, ms in data["draft"]}
             catch_up = None if data.get("catch_up") is None else float(data["catch_up"])
+            first = {int(r): float(ms) for r, ms in data.get("first", [])}
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ValueError(f"not a cost table ({type(exc).__name__}: {exc})") from None
-        prices = [*verify.values(), *draft.values(), *([] if catch_up is None else [catch_up])]
+        prices = [*verify.values(), *draft.values(), *first.values(), *([] if catch_up is None else [catch_up])]
         if not verify or any(ms <= 0 for ms in prices):
             raise ValueError("not a cost table (no prices, or a price that is not positive)")
-        return cls(verify, draft, source, catch_up)
+        return cls(verify, draft, source, catch_up, first)
 
     def catch_up_ms(self) -> float:
         """ms per token the drafter owes a row: the measured price, or without one the cheapest measured drafter
@@ -136,13 +144,30 @@ class CostTable:
         near = max(below) if below else min(above)
         return self.draft[near] * rows / near if below else self.draft[near]
 
+    def first_ms(self, rows: int) -> float | None:
+        """ms of a ragged forward of `rows` rows, one of them 2 tokens deep: measured, or for an unmeasured
+        batch size the plain forward plus what the nearest measured one paid for its extra token; None where
+        none was measured (or for one row, where that is `rows x 2`)."""
+        if rows < 2 or not self.first:
+            return None
+        if rows in self.first:
+            return min(self.first[rows], self.verify_ms(rows, 2))
+        near = min(self.first, key=lambda r: abs(r - rows))
+        extra = self.first[near] - self.verify_ms(near, 1)
+        return min(self.verify_ms(rows, 1) + max(0.0, extra), self.verify_ms(rows, 2))
+
     def step_ms(self, depths: list[int], ragged: bool) -> float:
         """Verification forward of one step whose rows draft `depths`: padded to the deepest row, or on a
-        ragged target at the mean tokens per row (interpolated between the measured whole counts)."""
+        ragged target by its real tokens: up to `rows x 2` on the line from `first_ms` (one drafted token) to
+        the whole count, past it at the mean tokens per row (interpolated between the measured whole counts)."""
         rows = len(depths)
         if not ragged:
             return self.verify_ms(rows, max(depths) + 1)
-        mean = sum(depths) / rows + 1
+        drafted = sum(depths)
+        first = self.first_ms(rows)
+        if first is not None and 0 < drafted < rows:
+            return first + (drafted - 1) * (self.verify_ms(rows, 2) - first) / (rows - 1)
+        mean = drafted / rows + 1
         lo = int(mean)
         low = self.verify_ms(rows, lo)
         if mean == lo:
@@ -152,7 +177,8 @@ class CostTable:
 
 def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes: list[int], max_depth: int = MAX_DEPTH,
                   context: int = 128, repeats: int = 5) -> CostTable:
-    """Time forwards at every (batch size, 1..max_depth+1 tokens) so policies can price a step.
+    """Time forwards at every (batch size, 1..max_depth+1 tokens) so policies can price a step, and on a ragged
+    target the step where one row verifies one drafted token (CostTable.first).
 
     The token counts of a batch size are timed in interleaved rounds (median per count): a policy compares
     depths by their ratio, and on a shared machine a slow spell that fell on one count's samples alone once
@@ -161,14 +187,14 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
     in the same rounds; its price is the median over every batch size's rounds, per token."""
     table = CostTable()
 
-    def timed(model: Transformer, cache: KVCache, rows: int, tokens: int) -> float:
+    def timed(model: Transformer, cache: KVCache, rows: int, tokens: int, sizes: list[int] | None = None) -> float:
         toks = torch.zeros(rows, tokens, dtype=torch.long, device=model.device)
         depths = torch.arange(tokens, device=model.device).expand(rows, tokens)
         anc = torch.tril(torch.ones(tokens, tokens, dtype=torch.bool, device=model.device)).expand(rows, tokens, tokens)
         with torch.inference_mode():
             sync(model.device)
             t0 = time.perf_counter()
-            model.step(toks, cache, cache.lengths, depths, anc)
+            model.step(toks, cache, cache.lengths, depths, anc, sizes=sizes, packed=sizes is not None)
             sync(model.device)
         return (time.perf_counter() - t0) * 1e3
 
@@ -183,11 +209,16 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
             small.lengths.fill_(context)
         samples: dict[int, list[float]] = {t: [] for t in counts}
         drafts: list[float] = []
+        firsts: list[float] = []
         for round_ in range(repeats + 1):  # round 0 warms up
             for tokens in counts:
                 ms = timed(target, cache, rows, tokens)
                 if round_:
                     samples[tokens].append(ms)
+            if target.ragged and rows > 1:
+                ms = timed(target, cache, rows, 2, [2] + [1] * (rows - 1))
+                if round_:
+                    firsts.append(ms)
             if small is not None:
                 ms = timed(drafter, small, rows, 1)
                 if round_:
@@ -199,6 +230,8 @@ def measure_costs(target: Transformer, drafter: Transformer | None, batch_sizes:
             table.verify[(rows, tokens)] = statistics.median(ms)
         if drafts:
             table.draft[rows] = statistics.median(drafts)
+        if firsts:
+            table.first[rows] = statistics.median(firsts)
     if catch_ups:
         table.catch_up = statistics.median(catch_ups) / CATCH_UP_TOKENS
     return table
