@@ -55,10 +55,11 @@ def adaptive(depth: int, recent: list[int]) -> int:
 register("draft_length", "adaptive", adaptive)''', stand_in="fixed")
 
 define_kind("acceptance", "verify.sampling", '''
-core.engine.decode.AcceptanceRule(choices, accept, batched=False)
+core.engine.decode.AcceptanceRule(choices, accept, batched=False, packed=None)
 choices(logits [B, T, V], trees, ver, req, lengths) -> per-row choices; accept(tree, choice_row, generator)
--> (accepted node path, bonus token). The output must stay token-identical to autoregressive decoding
-with the same rule (token forcing checks it).''', '''
+-> (accepted node path, bonus token); optional packed: the same choices from the real nodes' logits [N, V]
+(row by row, each row's list as long as its tree), which spares verify a padded [B, T, V]. The output must
+stay token-identical to autoregressive decoding with the same rule (token forcing checks it).''', '''
 from specpilot.core.engine.decode import AcceptanceRule
 from specpilot.core.engine.tree import accept_path
 from specpilot.core.mechanisms import register
