@@ -108,6 +108,28 @@ def test_ragged_steps_compute_only_the_real_tokens(pair_engine, one_thread):
         assert packed.shape == (sum(sizes), padded.shape[-1]) and torch.equal(packed, padded[real])
 
 
+def test_a_wide_ragged_step_falls_back_and_still_packs(pair_engine, one_thread):
+    """More real tokens than the C layers take: the step runs the padded torch path, and `packed` still returns the
+    real tokens' logits alone, those of the same padded step."""
+    fused = linear_transformer(pair_engine.target, "fused")
+    width = fused._rows
+    sizes = [width, width // 2 + 1]
+    assert sum(sizes) > fused._rows
+    prompts = tiny_models.repeating_prompts([9, 17], seed=5)
+    tokens = torch.randint(0, 101, (2, width), generator=torch.Generator().manual_seed(6))
+    depths = torch.arange(width).expand(2, width)
+    anc = torch.tril(torch.ones(width, width, dtype=torch.bool)).expand(2, width, width)
+    out = []
+    for packed in (False, True):
+        cache = fused.new_cache(2, 40 + width)
+        for row, prompt in enumerate(prompts):
+            fused.prefill_row(cache, row, prompt)
+        with torch.inference_mode():
+            out.append(fused.step(tokens, cache, cache.lengths, depths, anc, sizes=sizes, packed=packed))
+    real = torch.arange(width)[None, :] < torch.tensor(sizes)[:, None]
+    assert out[1].shape == (sum(sizes), out[0].shape[-1]) and torch.equal(out[1], out[0][real])
+
+
 def test_wide_steps_take_the_torch_path_and_agree(pair_engine, one_thread):
     fused = linear_transformer(pair_engine.target, "fused")
     rows = fused._rows
