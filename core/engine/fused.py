@@ -17,7 +17,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from specpilot.core.engine.model import KVCache, Transformer
+from specpilot.core.engine.model import KVCache, Transformer, real_tokens
 
 _ptr, _long = ctypes.c_void_p, ctypes.c_long
 QUERY_BLOCK = 12  # layer.c's QB: attention scores are computed for this many queries at a time
@@ -124,7 +124,7 @@ class FusedTransformer(Transformer):
                 return out
             if sizes is None:
                 return out.reshape(B * T, -1)
-            return out[torch.arange(T)[None, :] < torch.tensor(sizes)[:, None]]
+            return out[real_tokens(sizes, T)]
         c = self.cfg
         base = base.to(torch.long).contiguous()
         positions = (base[:, None] + depths).to(torch.long).contiguous()
@@ -135,7 +135,7 @@ class FusedTransformer(Transformer):
         valid = None
         if sizes is not None:
             counts = torch.tensor(sizes, dtype=torch.long)
-            valid = torch.arange(T)[None, :] < counts[:, None]
+            valid = real_tokens(sizes, T)
         buffers = self._workspace(rows, span)
         step = StepParams(
             B=B, T=T, E=c.hidden_size, H=c.num_heads, Hkv=c.num_kv_heads, D=c.head_dim, I=c.intermediate_size,

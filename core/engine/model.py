@@ -31,6 +31,11 @@ def dense(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
     return lambda x: F.linear(x, weight, bias)
 
 
+def real_tokens(sizes: list[int], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[B, width] bool: the first sizes[b] tokens of row b are real, the rest padding (a ragged step's layout)."""
+    return torch.arange(width, device=device)[None, :] < torch.tensor(sizes, device=device)[:, None]
+
+
 def rows(parts: list[torch.Tensor]) -> torch.Tensor:
     """The parts stacked along rows: a view when they already lie one after another in one storage (a
     memory-mapped GGUF checkpoint lays q/k/v and gate/up out so), else a concatenated copy."""
@@ -436,7 +441,7 @@ class Transformer:
         B, T = tokens.shape
         real = None
         if sizes is not None and sum(sizes) < B * T:
-            real = torch.arange(T, device=tokens.device)[None, :] < torch.tensor(sizes, device=tokens.device)[:, None]
+            real = real_tokens(sizes, T, tokens.device)
         step = StepInputs(self, tokens, base, depths, ancestors, offset)
         if self.ragged or real is None:
             return self.forward(step, cache, logits_at, real, packed)
