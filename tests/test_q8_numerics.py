@@ -232,6 +232,45 @@ def test_a_ragged_step_computes_the_real_tokens_alone_with_the_same_bits(q8, mon
     assert torch.equal(two, ragged)
 
 
+@pytest.mark.parametrize("path", ["avx2", "avx512vnni", "amx"])
+def test_a_row_keeps_its_bits_in_a_step_a_few_rows_past_a_whole_group(q8, path):
+    """19 rows, one of them verifying a drafted token (20 real tokens): past a whole group of 16, the last rows take the
+    VNNI dots on AMX, or stretch the pass on VNNI and AVX2. A row 640 tokens into its context gets the logits it
+    gets alone, in a verify of its own, and prefilled with the rest of its context, on each path."""
+    from specpilot.kernels.cpu import q8_blocks
+
+    before = q8_blocks.isa()
+    if q8_blocks.use_isa(path) != path:
+        q8_blocks.use_isa(before)
+        pytest.skip(f"this CPU has no {path}")
+    try:
+        m = q8.target
+        tokens = _long_context(q8, 700)
+        rows, deep = 19, 7
+        starts = [640] + [20 + 9 * r for r in range(1, rows)]
+        sizes = [1] * rows
+        sizes[deep] = 2
+        cache = m.new_cache(rows, 700)
+        for row, at in enumerate(starts):
+            m.prefill_row(cache, row, tokens[:at])
+        step = torch.tensor([[tokens[at], tokens[at + 1]] for at in starts])
+        out = m.step(step, cache, cache.lengths.clone(), torch.arange(2).expand(rows, 2),
+                     torch.tril(torch.ones(2, 2, dtype=torch.bool)).expand(rows, 2, 2), sizes=sizes, packed=True)
+        assert out.shape[0] == sum(sizes) == 20
+        full, _ = _prefill_logits(m, tokens[:641])
+        assert torch.equal(out[0], full[640])  # 640 tokens in: the batch's answer is the prefill's
+        alone = m.new_cache(1, 700)
+        m.prefill_row(alone, 0, tokens[:640])
+        own = m.step(torch.tensor([[tokens[640]]]), alone, alone.lengths, torch.zeros(1, 1, dtype=torch.long), None)
+        assert torch.equal(out[0], own[0, 0])
+        at = starts[deep]
+        full, _ = _prefill_logits(m, tokens[:at + 2])
+        first = sum(sizes[:deep])
+        assert torch.equal(out[first:first + 2], full[at:at + 2])  # the drafting row: its verify is its prefill
+    finally:
+        q8_blocks.use_isa(before)
+
+
 def test_the_cost_table_times_one_drafted_token_on_a_ragged_target(q8):
     """measure_costs on the q8 target also times the step where one row of several verifies one drafted token
     (CostTable.first, what the policies price that token by); one row has no such step, and a padded target

@@ -5,8 +5,8 @@ what runs and where: the target and drafter files, the numerics and dtype, the r
 backend and drafter, the device and its model (the GPU's, or the CPU's), the thread count, and the code a step
 runs (a digest of the engine's and kernels' sources: a change to how a step computes can change its price, and a
 table measured before it is stale). Those are the identity a table is kept under, as JSON in
-`$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/ folder). A table that is missing, unreadable or corrupt is measured again and rewritten, never trusted;
-`specpilot serve --remeasure` measures again on purpose.
+`$SPECPILOT_COSTS_DIR` (default: the SpecPilot cache's costs/ folder). A table that is missing, unreadable or
+corrupt is measured again and rewritten, never trusted; `specpilot serve --remeasure` measures again on purpose.
 """
 
 from __future__ import annotations
