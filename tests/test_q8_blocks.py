@@ -233,6 +233,26 @@ def test_a_file_s_blocks_are_repacked_once_into_the_cache(tmp_path: Path, cache:
     assert qb.Q8Matrix(view, "Q4_K", n, k, repack=False).packed is None
 
 
+def test_q6_k_every_scale_and_extreme_codes(isa: str) -> None:
+    """Q6_K with each of the 256 int8 sub-block scales, codes all 0 (value -32), all 63 (value 31) or random,
+    against activations at the quantiser's full range: the AMX path splits each scale into parts whose products
+    with the values must fit a byte, so the extremes are where it would break. 16 and 20 rows, every weight row."""
+    qb = kernel()
+    n, k = 32, 4096
+    rng = np.random.default_rng(11)
+    raw = random_blocks("Q6_K", n, k, rng, SCALES).reshape(n, k // 256, 210)
+    raw[:, :, 192:208] = (np.arange(n * (k // 256) * 16) % 256).astype(np.uint8).reshape(n, k // 256, 16)
+    raw[0::3, :, :192] = 0
+    raw[1::3, :, :192] = 255
+    raw = np.ascontiguousarray(raw.reshape(n, -1))
+    x = torch.where(torch.rand(20, k, generator=torch.Generator().manual_seed(5)) < 0.5, -1.0, 1.0)
+    x[1::2] *= torch.rand(10, k, generator=torch.Generator().manual_seed(6)) + 0.5
+    ref = bits(q8_ref.matmul(x, raw, "Q6_K", n, k))
+    m = qb.Q8Matrix(raw, "Q6_K", n, k)
+    for rows in (16, 20):
+        assert torch.equal(bits(m(x[:rows])), ref[:rows]), f"{rows} rows"
+
+
 def test_read_only_memmap_is_used_in_place(tmp_path) -> None:
     qb = kernel()
     raw = random_blocks("Q6_K", 9, 512, np.random.default_rng(7), SCALES)

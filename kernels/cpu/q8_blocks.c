@@ -535,7 +535,7 @@ typedef struct {
     vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
     vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
 #if Q8_ISA == 512
-    char bt[8192] __attribute__((aligned(64))); /* AMX: codes built for the tiles (amx_q4_k's B_lo, B_hi) */
+    char bt[12288] __attribute__((aligned(64))); /* AMX: codes built for the tiles (amx_q4_k's B_lo, B_hi; amx_q6_k's three parts) */
     int32_t cbuf[2 * 4 * 256] __attribute__((aligned(64))); /* AMX: two units' sums, C[m][r] (amx4) */
 #endif
 } scratch_t;
@@ -1040,17 +1040,18 @@ LOAD_B32(q4_1, Q4_1)
 /* ---- the AMX path: every activation row against a tile's chunk in int8 tiles ----
  * The transposed code dwords the VNNI dots read (vector i, lane r = 4 codes of weight row r) are, 16 rows of 64
  * bytes, exactly the layout of tdpbsud's second operand; the first is 16 activation rows as quantised (laid out
- * tile by tile, amx_layout). One tdpbsud per sub-block (a block, or a scale's values: 32 of them, 16 for Q6_K) gives its
+ * tile by tile, amx_layout). One tdpbsud per sub-block (a block, or a scale's values: 32 of them) gives its
  * integer sum for 16 activation rows and 16 weight rows at once, C[m][r], so row m of C is the vector that the
  * VNNI path's chain builds for activation row m: the integers are the same (exact), and each row then takes the
- * same scales and the same float steps in the same order, so the bits are the same.
+ * same scales and the same float steps in the same order, so the bits are the same. (Q4_K and Q6_K instead fold
+ * their sub-block scales into the codes, amx_q4_k and amx_q6_k: the same integers, summed in the tiles.)
  * A chunk's work is a list of units (four sub-blocks of one group of 16 activation rows; for Q4_K two groups);
  * a last group of fewer rows is padded with zero rows (amx_layout), whose sums are never read. Tiles: 0-3 a
- * unit's sums, 4-5 activations, 6-7 codes. The sums go to memory; those of unit u are read after the tile
+ * unit's sums, 4-5 activations, 6-7 codes (Q6_K: 0-2 sums, 4 activations, 5-7 codes). The sums go to memory; those of unit u are read after the tile
  * products of unit u + 1 are issued, from the other half of cbuf, so that no vector load waits on a tile store
  * just issued (on the Xeon measured, no faster: the products and their activations' loads bound it). */
-static __thread long amx_rows = -1; /* the thread's tile configuration: activation rows, sub-block bytes */
-static __thread int amx_kb = -1;
+static __thread long amx_rows = -1; /* the thread's tile configuration: activation rows, sub-block bytes, */
+static __thread int amx_kb = -1, amx_na = -1; /* activation tiles */
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1058,15 +1059,16 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg_t;
 
-static void amx_config(long m, int kb) {
+/* m activation rows, kb bytes of each a product takes, na activation tiles from tile 4 (the rest to 7: codes) */
+static void amx_config(long m, int kb, int na) {
     amx_cfg_t cfg;
-    if (m == amx_rows && kb == amx_kb) return;
-    amx_rows = m, amx_kb = kb;
+    if (m == amx_rows && kb == amx_kb && na == amx_na) return;
+    amx_rows = m, amx_kb = kb, amx_na = na;
     memset(&cfg, 0, sizeof cfg);
     cfg.palette = 1;
     for (int t = 0; t < 4; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = 64;
-    for (int t = 4; t < 6; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = (uint16_t)kb;
-    for (int t = 6; t < 8; t++) cfg.rows[t] = (uint8_t)(kb / 4), cfg.colsb[t] = 64;
+    for (int t = 4; t < 4 + na; t++) cfg.rows[t] = (uint8_t)m, cfg.colsb[t] = (uint16_t)kb;
+    for (int t = 4 + na; t < 8; t++) cfg.rows[t] = (uint8_t)(kb / 4), cfg.colsb[t] = 64;
     __asm__ volatile("" : : "r"(&cfg) : "memory"); /* GCC 12's ldtilecfg reads memory it does not declare: without
                                                      * this barrier it drops the stores of rows and colsb as dead */
     _tile_loadconfig(&cfg);
@@ -1205,43 +1207,71 @@ static void amx_q4_k(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s,
 #undef FINISH
 }
 
-/* Q6_K: sub-block sb = 8h + 2s + half holds values 16 sb..16 sb + 15, the codes of value groups 4 half..4 half + 3
- * of q6_code(.., s); each sum starts from its offset (-32 bsum), as in dot_q6_k. Four rounds a group. */
+/* The signed bytes of v times the lane's factor f (f as an int16 pair in each lane, each product within int8):
+ * even and odd bytes widened to int16 (ev, od: sign-extended), multiplied, the low bytes put back */
+INL vi mul_signed(vi ev, vi od, vi f) {
+    __m512i e = _mm512_mullo_epi16((__m512i)ev, (__m512i)f), o = _mm512_mullo_epi16((__m512i)od, (__m512i)f);
+    return (vi)_mm512_ternarylogic_epi32(_mm512_slli_epi16(o, 8), e, _mm512_set1_epi16(0xff), 0xf8);
+}
+
+/* a lane's int32 f in -3..4 as the int16 pair mul_signed takes */
+INL vi pair16(vi f) { return (vi)(((vu)f & 0xffff) | ((vu)f << 16)); }
+
+/* Q6_K: the values (code - 32, -32..31) and the sub-block scales (int8) go into the codes in three parts,
+ * sc = 64 h + 8 m + l (l, m in -3..4, h in -2..2), so that every product of a value and a part fits a signed
+ * byte (|v l| <= 128) and one tdpbssd takes 64 values across four sub-blocks: C_l + 8 C_m + 64 C_h =
+ * sum_j sc_j sum (q - 32).qx, the integer dot_q6_k builds (offsets included; |C| < 2^27). Three products of 64
+ * values where one a sub-block of 16 took four, and the sums leave the tiles once a chunk, not once a sub-block.
+ * Value group vg (values 4 vg..4 vg + 3, sub-block vg / 4) is q6_code(.., s) of groups 32h + 8s + g; its three
+ * products go to bt + 4096 p + 64 vg, so round r's B tiles are 1 KB apart. Then dot_q6_k's float step. */
 static void amx_q6_k(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
     load_q6_k_512(j, tl, c, s, pf);
-    UNROLL for (int h = 0; h < 2; h++) UNROLL for (int g = 0; g < 8; g++) {
-        const vu ql[2] = {vreg(s->nib, 16 * h + g), vreg(s->nib, 16 * h + 8 + g)};
-        vu qh = vreg(s->qh, 8 * h + g);
-        UNROLL for (int sb = 0; sb < 4; sb++) {
-            vi code = q6_code(ql, qh, sb);
-            memcpy(s->bt + 256 * (8 * h + 2 * sb + g / 4) + 64 * (g % 4), &code, 64);
+    UNROLL for (int h = 0; h < 2; h++) UNROLL for (int sb = 0; sb < 4; sb++) {
+        vi f[2][3];
+        UNROLL for (int k = 0; k < 2; k++) {
+            const vi sc = s->sc[8 * h + 2 * sb + k], l = ((sc + 3) & 7) - 3, s1 = (sc - l) >> 3;
+            const vi m = ((s1 + 3) & 7) - 3;
+            f[k][0] = pair16(l), f[k][1] = pair16(m), f[k][2] = pair16((s1 - m) >> 3);
+        }
+        UNROLL for (int g = 0; g < 8; g++) {
+            const vu ql[2] = {vreg(s->nib, 16 * h + g), vreg(s->nib, 16 * h + 8 + g)};
+            const vi v = (vi)_mm512_sub_epi8((__m512i)q6_code(ql, vreg(s->qh, 8 * h + g), sb), _mm512_set1_epi8(32));
+            const vi ev = (vi)_mm512_srai_epi16(_mm512_slli_epi16((__m512i)v, 8), 8);
+            const vi od = (vi)_mm512_srai_epi16((__m512i)v, 8);
+            UNROLL for (int p = 0; p < 3; p++) {
+                vi b = mul_signed(ev, od, f[g / 4][p]);
+                memcpy(s->bt + 4096 * p + 64 * (32 * h + 8 * sb + g), &b, 64);
+            }
         }
     }
-    vi isum[PASS];
 #define ISSUE(u, cb)                                                                                           \
     do {                                                                                                       \
-        const long r = (u) % 4;                                                                                \
-        const char *bb[4] = {s->bt + 1024 * r, s->bt + 1024 * r + 256, s->bt + 1024 * r + 512,                 \
-                             s->bt + 1024 * r + 768};                                                          \
-        amx4(AMX_X((u) / 4, 64 * r), 16, QA, bb, 4, cb);                                                      \
+        _tile_zero(0);                                                                                         \
+        _tile_zero(1);                                                                                         \
+        _tile_zero(2);                                                                                         \
+        UNROLL for (int r = 0; r < 4; r++) {                                                                   \
+            _tile_loadd(4, AMX_X(u, 64 * r), QA);                                                              \
+            _tile_loadd(5, s->bt + 1024 * r, 64);                                                              \
+            _tile_loadd(6, s->bt + 4096 + 1024 * r, 64);                                                       \
+            _tile_loadd(7, s->bt + 8192 + 1024 * r, 64);                                                       \
+            _tile_dpbssd(0, 4, 5);                                                                             \
+            _tile_dpbssd(1, 4, 6);                                                                             \
+            _tile_dpbssd(2, 4, 7);                                                                             \
+        }                                                                                                      \
+        _tile_stored(0, cb, 64);                                                                               \
+        _tile_stored(1, cb + 256, 64);                                                                         \
+        _tile_stored(2, cb + 512, 64);                                                                         \
     } while (0)
 #define FINISH(u, cb)                                                                                          \
     do {                                                                                                       \
-        const long r = (u) % 4;                                                                                \
-        const amx_group_t a = amx_group(j, (u) / 4);                                                                 \
+        const amx_group_t a = amx_group(j, u);                                                                 \
         for (long m = 0; m < a.mr; m++) {                                                                      \
-            const int32_t *aux = j->x[a.m0 + m].aux + 16 * c + 4 * (r);                                        \
-            vi v = (r) ? isum[m] : (vi){0};                                                                    \
-            UNROLL for (int i = 0; i < 4; i++) v += (C_ROW(cb, i, m) + aux[i]) * s->sc[4 * (r) + i];       \
-            isum[m] = v;                                                                                       \
+            vi isum = C_ROW(cb, 0, m) + C_ROW(cb, 1, m) * 8 + C_ROW(cb, 2, m) * 64;                            \
+            float dx = j->x[a.m0 + m].d[c];                                                                    \
+            y[a.m0 + m] = y[a.m0 + m] + (dx * s->d[0]) * to_f(isum);                                           \
         }                                                                                                      \
-        if (r == 3)                                                                                            \
-            for (long m = 0; m < a.mr; m++) {                                                                  \
-                float dx = j->x[a.m0 + m].d[c];                                                                \
-                y[a.m0 + m] = y[a.m0 + m] + (dx * s->d[0]) * to_f(isum[m]);                                    \
-            }                                                                                                  \
     } while (0)
-    AMX_PIPELINE(4 * GROUPS, ISSUE, FINISH);
+    AMX_PIPELINE(GROUPS, ISSUE, FINISH);
 #undef ISSUE
 #undef FINISH
 }
@@ -1341,7 +1371,8 @@ static int SFX(run_tiles)(const job_t *j) {
 #if Q8_ISA == 512
     if (j->amx) {
         fn = j->qtype == T_Q4_K ? amx_q4_k : j->qtype == T_Q6_K ? amx_q6_k : amx_b32;
-        amx_config(j->mt < PASS ? j->mt : PASS, j->qtype == T_Q6_K ? 16 : j->qtype == T_Q4_K ? 64 : 32);
+        amx_config(j->mt < PASS ? j->mt : PASS, j->qtype == T_Q4_K || j->qtype == T_Q6_K ? 64 : 32,
+                   j->qtype == T_Q6_K ? 1 : 2);
     }
 #endif
     pf_t pf = {.t = -1};
@@ -1355,14 +1386,18 @@ static int SFX(run_tiles)(const job_t *j) {
             if (j->amx && j->mt < j->m) amx_tail(j, c, &s, y);
 #endif
         }
-        for (long i = 0; i < j->m; i++)
-            for (int r = 0; r < LANES && t * LANES + r < j->n; r++) j->y[i * j->ldy + t * LANES + r] = y[i][r];
+        if ((t + 1) * LANES <= j->n) /* a whole tile: one vector store a row (scalar ones cost 0.6 ms a row on
+                                       * the 1.5B's head, its rows far apart) */
+            for (long i = 0; i < j->m; i++) memcpy(j->y + i * j->ldy + t * LANES, &y[i], sizeof y[i]);
+        else
+            for (long i = 0; i < j->m; i++)
+                for (int r = 0; t * LANES + r < j->n; r++) j->y[i * j->ldy + t * LANES + r] = y[i][r];
     }
     if (y != ybuf) free(y);
 #if Q8_ISA == 512
     if (j->amx) {
         _tile_release();
-        amx_rows = -1, amx_kb = -1;
+        amx_rows = -1, amx_kb = -1, amx_na = -1;
     }
 #endif
     return 0;
