@@ -535,7 +535,8 @@ typedef struct {
     vi mn[4];     /* Q4_K: the mins of sub-blocks 2i and 2i+1 as two int16 */
     vf d[8], m[8]; /* per 32-block d and Q4_1's m; a superblock's d and (Q4_K) dmin in d[0], m[0] */
 #if Q8_ISA == 512
-    char bt[12288] __attribute__((aligned(64))); /* AMX: codes built for the tiles (amx_q4_k's B_lo, B_hi; amx_q6_k's three parts) */
+    char bt[12288] __attribute__((aligned(64))); /* AMX: codes built for the tiles (amx_q4_k's B_lo and B_hi,
+                                                  * amx_q6_k's three parts) */
     int32_t cbuf[2 * 4 * 256] __attribute__((aligned(64))); /* AMX: two units' sums, C[m][r] (amx4) */
 #endif
 } scratch_t;
@@ -1045,13 +1046,15 @@ LOAD_B32(q4_1, Q4_1)
  * VNNI path's chain builds for activation row m: the integers are the same (exact), and each row then takes the
  * same scales and the same float steps in the same order, so the bits are the same. (Q4_K and Q6_K instead fold
  * their sub-block scales into the codes, amx_q4_k and amx_q6_k: the same integers, summed in the tiles.)
- * A chunk's work is a list of units (four sub-blocks of one group of 16 activation rows; for Q4_K two groups);
- * a last group of fewer rows is padded with zero rows (amx_layout), whose sums are never read. Tiles: 0-3 a
- * unit's sums, 4-5 activations, 6-7 codes (Q6_K: 0-2 sums, 4 activations, 5-7 codes). The sums go to memory; those of unit u are read after the tile
- * products of unit u + 1 are issued, from the other half of cbuf, so that no vector load waits on a tile store
- * just issued (on the Xeon measured, no faster: the products and their activations' loads bound it). */
-static __thread long amx_rows = -1; /* the thread's tile configuration: activation rows, sub-block bytes, */
-static __thread int amx_kb = -1, amx_na = -1; /* activation tiles */
+ * A chunk's work is a list of units (four sub-blocks of one group of 16 activation rows; for Q4_K two groups,
+ * for Q6_K the whole chunk of one group); a last group of fewer rows is padded with zero rows (amx_layout), whose
+ * sums are never read. Tiles: 0-3 a unit's sums, 4-5 activations, 6-7 codes (Q6_K: 0-2 sums, 4 activations, 5-7
+ * codes). The sums go to memory; those of unit u are read after the tile products of unit u + 1 are issued,
+ * from the other half of cbuf, so that no vector load waits on a tile store just issued (on the Xeon measured,
+ * no faster: leaving either the products or the reads of their sums out saves what each costs alone). */
+/* the thread's tile configuration (amx_config's m, kb, na) */
+static __thread long amx_rows = -1;
+static __thread int amx_kb = -1, amx_na = -1;
 
 typedef struct {
     uint8_t palette, start_row, reserved[14];
@@ -1059,7 +1062,8 @@ typedef struct {
     uint8_t rows[16];
 } amx_cfg_t;
 
-/* m activation rows, kb bytes of each a product takes, na activation tiles from tile 4 (the rest to 7: codes) */
+/* m activation rows, kb bytes of each that one product takes, na activation tiles from tile 4 (the rest to 7:
+ * codes) */
 static void amx_config(long m, int kb, int na) {
     amx_cfg_t cfg;
     if (m == amx_rows && kb == amx_kb && na == amx_na) return;
@@ -1220,8 +1224,8 @@ INL vi pair16(vi f) { return (vi)(((vu)f & 0xffff) | ((vu)f << 16)); }
 /* Q6_K: the values (code - 32, -32..31) and the sub-block scales (int8) go into the codes in three parts,
  * sc = 64 h + 8 m + l (l, m in -3..4, h in -2..2), so that every product of a value and a part fits a signed
  * byte (|v l| <= 128) and one tdpbssd takes 64 values across four sub-blocks: C_l + 8 C_m + 64 C_h =
- * sum_j sc_j sum (q - 32).qx, the integer dot_q6_k builds (offsets included; |C| < 2^27). Three products of 64
- * values where one a sub-block of 16 took four, and the sums leave the tiles once a chunk, not once a sub-block.
+ * sum_j sc_j sum (q - 32).qx, the integer dot_q6_k builds (offsets included; |C| < 2^27): twelve products a
+ * superblock where one per sub-block took sixteen, and the sums leave the tiles once a chunk, not per sub-block.
  * Value group vg (values 4 vg..4 vg + 3, sub-block vg / 4) is q6_code(.., s) of groups 32h + 8s + g; its three
  * products go to bt + 4096 p + 64 vg, so round r's B tiles are 1 KB apart. Then dot_q6_k's float step. */
 static void amx_q6_k(const job_t *j, const tile_t_512 *tl, long c, scratch_t *s, vf *y, pf_t *pf) {
