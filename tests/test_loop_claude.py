@@ -17,6 +17,7 @@ import sys
 import tempfile
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import pytest
@@ -82,12 +83,22 @@ REPLIES = {
 }
 
 
-def next_event(events: queue.Queue, match, timeout: float = 240.0):
+def stuck(seen: list) -> str:
+    """What the loop had emitted and where every thread stood, for a wait that timed out: the wait alone
+    says nothing about which step never ended."""
+    last = [f"{e.kind} {str(e.payload)[:100]}" for e in seen[-12:]]
+    stacks = [f"--- {t.name}\n" + "".join(traceback.format_stack(sys._current_frames()[t.ident])[-8:])
+              for t in threading.enumerate() if t.ident in sys._current_frames()]
+    return f"{len(seen)} events, the last:\n" + "\n".join(last) + "\nthreads:\n" + "\n".join(stacks)
+
+
+def next_event(events: queue.Queue, match, seen: list, timeout: float = 240.0):
     deadline = time.monotonic() + timeout
     while True:
-        left = deadline - time.monotonic()
-        assert left > 0, "timed out waiting for an event"
-        event = events.get(timeout=left)
+        try:
+            event = events.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for an event; {stuck(seen)}") from None
         if match(event):
             return event
 
@@ -130,7 +141,7 @@ def steered(tmp_path_factory):
 
             runner = threading.Thread(target=lambda: result.append(loop.run(emit)), daemon=True)
             runner.start()
-            first = next_event(events, lambda e: e.kind == "awaiting_decision")
+            first = next_event(events, lambda e: e.kind == "awaiting_decision", seen)
             waiting = [first.payload["cid"]] + [e.payload["cid"] for e in drain(events, 0.5)
                                                 if e.kind == "awaiting_decision"]
             titles = {e.payload["cid"]: e.payload["title"] for e in seen if e.kind == "candidate"}
@@ -155,7 +166,7 @@ def steered(tmp_path_factory):
             except DecisionRefused as exc:
                 record["refusals"]["twice"] = str(exc)
             loop.resume()
-            next_event(events, lambda e: e.kind == "state" and e.payload["state"] == "integrating")
+            next_event(events, lambda e: e.kind == "state" and e.payload["state"] == "integrating", seen)
             loop.stop()
             runner.join(240)
             assert not runner.is_alive(), "the loop did not stop"
