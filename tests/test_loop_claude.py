@@ -84,8 +84,8 @@ REPLIES = {
 
 
 def stuck(seen: list) -> str:
-    """What the loop had emitted, every gate's verdict and where every thread stood, for a wait that timed
-    out: the wait alone says nothing about which step never ended, or whether the run ended without it."""
+    """What the loop had emitted, every gate's verdict and where every thread stood, for a wait that failed:
+    a timeout alone says nothing about which step never ended, or whether the run ended without the event."""
     last = [f"{e.kind} {str(e.payload)[:100]}" for e in seen[-12:]]
     gates = [f"{e.payload['cid']} {e.payload['gate']} {e.payload['passed']}: {e.payload.get('detail', '')}"
              for e in seen if e.kind == "gate"]
