@@ -110,13 +110,16 @@ def codes_and_scales(raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k
 
 
 class Bf16x3Matrix:
-    """A GGUF weight's codes (int8) and sub-block scales, decoded once, multiplied by the arithmetic above."""
+    """A GGUF weight's codes and sub-block scales, decoded once, multiplied by the arithmetic above. The codes
+    are kept as float32 integers laid out per sub-block, [J, K / J, N], the operand a batched product takes as
+    is: converting and transposing them on every call cost more than the products (a model-level test calls
+    each matrix once a token)."""
 
     def __init__(self, raw: np.ndarray | torch.Tensor, qtype: int | str, n: int, k: int) -> None:
         self.raw, self.qtype, self.n, self.k = raw, qtype, n, k
         q, self.a, self.b = codes_and_scales(raw, qtype, n, k)
         self.j = self.a.shape[1]
-        self.codes = q.to(torch.int8).reshape(n, self.j, k // self.j)  # every code fits: -128..127
+        self.codes = q.reshape(n, self.j, k // self.j).permute(1, 2, 0).contiguous()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """y [M, N] = x [M, K] @ W.T; refused rows take the plain float32 product with the dequantised W."""
@@ -125,10 +128,10 @@ class Bf16x3Matrix:
         shift, refused = row_shift(x)
         scale = torch.ldexp(torch.ones(m, dtype=torch.float32), shift.to(torch.int32))[:, None]
         xs = torch.where(refused[:, None], torch.zeros_like(x), x * scale)  # exact: a power of two
-        q = self.codes.float()
-        sums = torch.zeros(m, self.n, j, dtype=torch.float32)
+        sums = torch.zeros(j, m, self.n, dtype=torch.float32)
         for piece in split3(xs):
-            sums = sums + torch.einsum("mjc,njc->mnj", piece.float().reshape(m, j, c), q)
+            sums = sums + torch.bmm(piece.float().reshape(m, j, c).transpose(0, 1), self.codes)
+        sums = sums.permute(1, 2, 0)  # [M, N, J]
         sx = xs.reshape(m, j, c).sum(-1)
         y = (self.a[None] * sums - self.b[None] * sx[:, None, :]).sum(-1) / scale  # exact: a power of two
         if bool(refused.any()):
