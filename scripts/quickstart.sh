@@ -26,7 +26,8 @@ case "$mode" in
   test)
     .venv/bin/pip install --quiet -e ".[dev,ray]"  # the Ray executor's tests start a local Ray cluster
     # Two workers, one test file each (module fixtures are built once): the suite leaves a core idle otherwise.
-    exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile "$@"
+    # Files in collection order, the long ones first (tests/conftest.py), not xdist's most-tests-first.
+    exec .venv/bin/python -m pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder "$@"
     ;;
   real)
     paths=$(.venv/bin/specpilot fetch qwen-coder --json)

@@ -23,6 +23,8 @@ from specpilot.core.engine.prefix_cache import BLOCK, PrefixCache
 from specpilot.core.engine.scheduler import Scheduler, drive
 from specpilot.core.recipe import builtin
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 
 @pytest.fixture(scope="module")
 def q8(smollm2_dir, one_thread):

@@ -15,6 +15,8 @@ from specpilot.core.engine import Engine, draft_format
 from specpilot.core.engine.config import ModelLoadError
 from specpilot.core.recipe import Recipe, presets
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 q8_blocks = pytest.importorskip("specpilot.kernels.cpu.q8_blocks")
 if not q8_blocks.available():
     pytest.skip("the q8_blocks kernel does not build here", allow_module_level=True)

@@ -15,6 +15,8 @@ import torch
 from specpilot.core.cli import main
 from specpilot.core.costmodel.drift import Drift, RequestDrift, describe, drift, load_f32_reference
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 PROMPTS = ("Say hi.", "Write a Python function that adds two numbers.")
 NEW = 12
 

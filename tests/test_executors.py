@@ -28,6 +28,8 @@ from specpilot.core.judge import Judge, diff_applies
 from specpilot.core.recipe import builtin
 from specpilot.core.setup import prepare
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 SECRET = "sk-ant-executor-test-not-a-key"

@@ -16,6 +16,8 @@ import torch
 from specpilot.kernels.reference import gguf_ref
 from specpilot.kernels.reference.gguf_ref import FORMATS, UnsupportedBlockType, random_blocks
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 REPO = Path(__file__).resolve().parents[1]
 QUANTS = ["Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q6_K"]
 ALL = ["F32", "F16", *QUANTS]

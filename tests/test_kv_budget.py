@@ -18,6 +18,8 @@ from specpilot.core.engine.model import KVCache
 from specpilot.core.engine.scheduler import Scheduler
 from specpilot.core.recipe import builtin
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 MB = 1 << 20
 
 

@@ -24,6 +24,8 @@ from specpilot.core.recipe import builtin
 from specpilot.core.store import Store
 from specpilot.core.store.db import process_gone
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 NOTE = "fused backend not allowed in prod"
 

@@ -21,6 +21,8 @@ from specpilot.core.events import GATES
 from specpilot.core.recipe import Recipe
 from specpilot.core.store import Store
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 ROOT = Path(__file__).resolve().parent.parent
 CANDIDATE_KEYS = {"agent", "title", "gates", "verdict", "reason", "heldout_speedup", "interval"}
 INCUMBENT_KEYS = {"recipe", "heldout_speedup_vs_ar", "heldout_speedup_vs_stock", "interval"}

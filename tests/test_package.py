@@ -19,7 +19,7 @@ from serve_helpers import Server
 
 ROOT = Path(__file__).resolve().parent.parent
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]  # slow: the test workers take it first (conftest.py)
 
 
 @pytest.fixture(scope="module")

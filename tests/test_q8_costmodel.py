@@ -29,6 +29,8 @@ from specpilot.core.engine.batching import CostTable, best_uniform_depth
 from specpilot.core.engine.tree import static_prefixes
 from specpilot.core.recipe import Recipe, builtin
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 # ms per forward of the 1.5B target's linears, 1 thread (the measurements): rows -> ms
 Q8 = {1: 29.3, 2: 28.0, 4: 32.7, 5: 36.7, 8: 50.6, 16: 92.7, 32: 181.5, 64: 363.0}
 F32 = {1: 66.7, 2: 81.2, 4: 127.0, 5: 115.7, 8: 162.8, 16: 343.0, 32: 687.0, 64: 1374.0}

@@ -26,6 +26,8 @@ from specpilot.core.forcing import PlainDecoding, compare, force
 from specpilot.core.recipe import Recipe, presets
 from specpilot.kernels.reference import attention_ref, q8_ref
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 PLUGINS = Path(__file__).resolve().parent / "plugins"
 PROMPTS = [[1, 9690, 30, 12469, 216, 1326, 5353, 30, 14185, 42],
            [1, 17830, 253, 1789, 1326, 338, 2494, 279, 9651, 282, 253, 1789, 30, 198],

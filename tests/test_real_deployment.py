@@ -15,6 +15,8 @@ from specpilot.core.deployment import Deployment
 from specpilot.core.engine import Engine, ModelLoadError
 from specpilot.core.recipe import Recipe, builtin, stock
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 RECIPES = {
     "ngram": Recipe.from_dict({"draft": {"method": "ngram", "ngram_max": 3}, "tree": {"policy": "chain", "depth": 6}}),
     "early_exit": Recipe.from_dict({"draft": {"method": "early_exit", "exit_layer": 10},

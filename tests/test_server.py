@@ -18,6 +18,8 @@ from transformers import AutoConfig, AutoTokenizer
 from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
 from serve_helpers import Server, hf_greedy
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "import os\n\ndef list_files(path):",
            "# sort a list\ndef sort(xs):", "for i in range(10):", "def fib(n):\n    if n < 2:",
            "with open(path) as f:", "def main():\n    args ="]

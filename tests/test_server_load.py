@@ -27,6 +27,8 @@ from specpilot.core.deployment import DEMO_DRAFTER, DEMO_TARGET
 from specpilot.core.engine.decode import PHASES
 from serve_helpers import ROOT, Server, hf_greedy
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 PROMPTS = ["def add(a, b):", "class Stack:\n    def push(self, x):", "import os\n\ndef list_files(path):",
            "# sort a list\ndef sort(xs):"]
 LENGTHS = [40, 27, 25, 60]

@@ -33,6 +33,8 @@ from specpilot.core.cli import db_path
 from specpilot.core.events import Event
 from specpilot.core.store.db import Store
 
+pytestmark = pytest.mark.slow  # a long file: the test workers take these first (conftest.py)
+
 WIDE = (160, 50)
 SMALL = (80, 24)
 
