@@ -19,7 +19,8 @@ def pytest_collection_modifyitems(config, items):
     """Files with a test marked slow first, each file's tests kept together and in order. The test command's
     workers (`-n 2 --dist loadfile --no-loadscope-reorder`, scripts/quickstart.sh) take files in this order as
     each finishes one, so the long files are spread between them and the short ones even out the end; in
-    alphabetical order the tmux tests came last and one worker ran about a minute after the other finished."""
+    xdist's own order (the files with most tests first) the two tmux tests came last and one worker ran about a
+    minute after the other finished."""
     slow_files = {item.path for item in items if item.get_closest_marker("slow")}
     items.sort(key=lambda item: item.path not in slow_files)  # stable: file and test order otherwise kept
 
